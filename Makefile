@@ -1,0 +1,40 @@
+# The two commands: `make demo` and `make test`. Each does all of its own set-up.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: demo test test-ci dev install validate bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install --quiet --upgrade pip
+	@$(PY) -m pip install --quiet -e ".[dev]"
+	@rm -f $(VENV)/.installed-*; touch $(STAMP)
+
+install: $(STAMP)
+
+## make demo: start embedded Postgres, moto and the sandbox, migrate, run the pipelines, print a summary, stop.
+demo: install
+	@$(PY) -m orchestration.demo
+
+## make test: the whole suite; the local stack is started by the tests' fixtures.
+test: install
+	@$(PY) -m pytest -q $(PYTEST_ARGS)
+
+## make test-ci: the suite once more against the machine's PostgreSQL service (DATABASE_URL).
+test-ci: install
+	@DATABASE_URL=$${CI_DATABASE_URL:-postgresql://postgres@127.0.0.1:5432/postgres} $(PY) -m pytest -q -m "not browser" $(PYTEST_ARGS)
+
+## make dev: the local stack plus `dagster dev`; the UI opens on localhost:3000.
+dev: install
+	@$(PY) -m devstack run -- $(VENV)/bin/dagster dev -w workspace.yaml -p 3000
+
+validate: install
+	@$(PY) -m devstack run --purpose validate -- $(VENV)/bin/dagster definitions validate -w workspace.yaml
+
+bench: install
+	@$(PY) -m bench
+
+clean:
+	rm -rf .data .dagster_home

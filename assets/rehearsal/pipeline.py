@@ -1,0 +1,122 @@
+"""Failure rehearsal: fetch an artifact, ask the LLM about it — two stages on the reliability core.
+
+Operators use it to rehearse failure modes locally: script faults in the sandbox
+(429 with Retry-After, 503, 401, timeouts…) and watch retries, dead letters, alerts
+and `redrive dlq replay` work end to end. Each stage's output is checkpointed, so a
+replay starts at the failed stage and never fetches twice. Safe to rerun: a stage
+with a checkpoint is not run again, and completing twice writes the same result.
+"""
+
+# No `from __future__ import annotations`: Dagster reads config and resource types from live annotations.
+
+import hashlib
+from typing import Any
+
+import dagster as dg
+from pydantic import BaseModel, ConfigDict
+
+from assets.rehearsal import repository
+from redrive import checkpoints
+from redrive.backoff import FullJitter
+from redrive.reliability import Reliability
+from redrive.stages import DeferredRetry, StagePolicy, Unit, run_stage
+from resources.http import ArtifactStoreResource
+from resources.llm import LlmResource
+from resources.reliability import ReliabilityResource
+
+PIPELINE = "rehearsal"
+POLICIES = {
+    "fetch": StagePolicy(max_attempts=5, backoff=FullJitter()),
+    "ask": StagePolicy(max_attempts=5, backoff=FullJitter()),
+}
+
+
+class Verdict(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    verdict: str
+
+
+class RehearsalConfig(dg.Config):
+    request_id: str
+    replay_from: str | None = None
+    replay_of: int | None = None
+    stage: str | None = None
+    attempt: int | None = None
+    prior_attempts: dict[str, int] = {}
+
+
+def unit_for(request: repository.RehearsalRequest, config: RehearsalConfig) -> Unit:
+    return Unit(
+        pipeline=PIPELINE,
+        entity_ref=request.request_id,
+        payload_ref=request.payload_ref,
+        context={"request_id": request.request_id, "artifact_path": request.artifact_path},
+        prior_attempts=config.prior_attempts,
+    )
+
+
+def staged(
+    context: dg.OpExecutionContext, runtime: Reliability, unit: Unit, stage: str, work: Any
+) -> dict[str, Any] | None:
+    """Return the stage's checkpoint, or run the stage under its policy and checkpoint it."""
+    with runtime.engine.connect() as conn:
+        done = checkpoints.load(conn, unit.pipeline, unit.entity_ref, stage)
+    if done is not None:
+        context.log.info(f"{stage}: reusing checkpoint of {unit.entity_ref}")
+        return done
+    try:
+        output = run_stage(context, runtime, unit, stage, POLICIES[stage], work)
+    except DeferredRetry:
+        return None
+    with runtime.engine.begin() as conn:
+        checkpoints.save(conn, unit.pipeline, unit.entity_ref, stage, output)
+    return output
+
+
+@dg.op(out=dg.Out(dict, is_required=False))
+def fetch(context: dg.OpExecutionContext, config: RehearsalConfig, reliability: ReliabilityResource,
+          artifact_store: ArtifactStoreResource):
+    """Download the artifact from the store (the sandbox locally)."""
+    runtime = reliability.runtime()
+    with runtime.engine.begin() as conn:
+        if config.replay_from == "start":
+            checkpoints.clear(conn, PIPELINE, config.request_id)
+        request = repository.get(conn, config.request_id)
+    def download() -> dict[str, Any]:
+        body = artifact_store.fetch(request.artifact_path)
+        return {"text": body.decode("utf-8", errors="replace"), "sha256": hashlib.sha256(body).hexdigest()}
+
+    output = staged(context, runtime, unit_for(request, config), "fetch", download)
+    if output is not None:
+        yield dg.Output(output)
+
+
+@dg.op
+def ask(context: dg.OpExecutionContext, config: RehearsalConfig, reliability: ReliabilityResource,
+        llm: LlmResource, fetched: dict) -> None:
+    """Ask the LLM for a verdict on the artifact; completing closes the request's dead letter."""
+    runtime = reliability.runtime()
+    with runtime.engine.connect() as conn:
+        request = repository.get(conn, config.request_id)
+    messages = [{"role": "system", "content": "Answer as JSON {\"verdict\": …}."},
+                {"role": "user", "content": f"{request.prompt}\n\n{fetched['text']}"}]
+    output = staged(context, runtime, unit_for(request, config), "ask",
+                    lambda: llm.chat_json(messages, Verdict).model_dump())
+    if output is None:
+        return
+    with runtime.engine.begin() as conn:
+        repository.complete(conn, request.request_id, output)
+    runtime.succeeded(PIPELINE, request.request_id)
+    context.log.info(f"{request.request_id}: verdict {output['verdict']!r}")
+
+
+@dg.job(tags={"redrive/pipeline": PIPELINE})
+def rehearsal_job() -> None:
+    """Failure rehearsal: fetch → ask for one request, under the core's retry, dead-letter and alert policy."""
+    ask(fetch())
+
+
+def run_config(request_id: str, extra: dict[str, Any]) -> dict[str, Any]:
+    allowed = {k: v for k, v in extra.items() if k in RehearsalConfig.model_fields}
+    cfg = {"request_id": request_id, **allowed}
+    return {"ops": {"fetch": {"config": cfg}, "ask": {"config": cfg}}}

@@ -1,0 +1,72 @@
+"""Child processes of the local stack: start on a loopback port, wait until healthy, stop for sure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the process group, then SIGKILL what is left: nothing outlives the stack."""
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            if httpx.get(url, timeout=1.0).status_code < 500:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def spawn(name: str, args: list[str], health_path: str, attempts: int = 3) -> Child:
+    """Start `python -m …` on a fresh loopback port (retrying if the port was taken meanwhile)."""
+    last_error = ""
+    for _ in range(attempts):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, *[a.replace("{port}", str(port)) for a in args]]
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
+        if wait_healthy(url + health_path, proc):
+            return Child(name, proc, url)
+        child = Child(name, proc, url)
+        child.stop()
+        last_error = (proc.stderr.read() if proc.stderr else b"").decode(errors="replace")[-2000:]
+    raise RuntimeError(f"{name} did not start: {last_error}")

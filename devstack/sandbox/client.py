@@ -1,0 +1,137 @@
+"""A small typed client for the sandbox's admin API, used by tests and the demo."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+import httpx
+from pydantic import BaseModel
+
+# A step is the admin's JSON ({"status": 429}) or one of the step models from `faults`.
+StepSpec = Mapping[str, Any] | BaseModel
+
+
+class SandboxAdminError(RuntimeError):
+    """The sandbox refused an admin call; the message carries its explanation."""
+
+
+class SandboxClient:
+    """Scripts faults and reads the effect and request logs of one running sandbox."""
+
+    def __init__(self, base_url: str, timeout: float = 10) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+
+    def url(self, path: str) -> str:
+        """Absolute URL of a sandbox path, for pointing a resource at it."""
+        return f"{self.base_url}/{path.lstrip('/')}"
+
+    def health(self) -> bool:
+        try:
+            response = self._http.get("/_admin/health")
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200 and response.json().get("status") == "ok"
+
+    # -- faults ----------------------------------------------------------------
+
+    def script(self, route: str, *steps: StepSpec) -> int:
+        """Append steps to the route's script; returns how many are pending."""
+        body = {"steps": [_step_json(s) for s in steps]}
+        return int(self._call("POST", f"/_admin/faults/{route}", json=body)["pending"])
+
+    def random_faults(
+        self,
+        route: str,
+        seed: int,
+        rates: Mapping[str, float],
+        retry_after: str | None = None,
+        timeout_seconds: float | None = None,
+    ) -> None:
+        body: dict[str, Any] = {"seed": seed, "rates": dict(rates)}
+        if retry_after is not None:
+            body["retry_after"] = retry_after
+        if timeout_seconds is not None:
+            body["timeout_seconds"] = timeout_seconds
+        self._call("POST", f"/_admin/faults/{route}/random", json=body)
+
+    def stop_random_faults(self, route: str) -> None:
+        self._call("DELETE", f"/_admin/faults/{route}/random")
+
+    def faults(self) -> dict[str, Any]:
+        """Pending steps and random faults per route."""
+        routes: dict[str, Any] = self._call("GET", "/_admin/faults")["routes"]
+        return routes
+
+    def clear_faults(self) -> None:
+        self._call("DELETE", "/_admin/faults")
+
+    def set_default(self, route: str, content: str | None = None, json: Any = None) -> None:
+        """Set what the route answers on success: `content` for the llm, `json` for any JSON route."""
+        body: dict[str, Any] = {}
+        if content is not None:
+            body["content"] = content
+        if json is not None:
+            body["json"] = json
+        self._call("POST", f"/_admin/routes/{route}/default", json=body)
+
+    # -- logs ------------------------------------------------------------------
+
+    def effects(self, kind: str | None = None) -> list[dict[str, Any]]:
+        effects: list[dict[str, Any]] = self._call("GET", "/_admin/effects", params=_only(kind=kind))["effects"]
+        return effects
+
+    def count(self, kind: str | None = None) -> int:
+        return int(self._call("GET", "/_admin/effects/count", params=_only(kind=kind))["count"])
+
+    def clear_effects(self) -> None:
+        self._call("DELETE", "/_admin/effects")
+
+    def requests(self, route: str | None = None) -> list[dict[str, Any]]:
+        records: list[dict[str, Any]] = self._call("GET", "/_admin/requests", params=_only(route=route))["requests"]
+        return records
+
+    # -- provider state --------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget faults, effects, requests, defaults, store and missing cases."""
+        self._call("POST", "/_admin/reset")
+
+    def put_store(self, path: str, body: bytes, content_type: str = "application/octet-stream") -> None:
+        self._call("PUT", f"/_admin/store/{path.lstrip('/')}", content=body, headers={"Content-Type": content_type})
+
+    def mark_cases_missing(self, *case_ids: str) -> None:
+        self._call("POST", "/_admin/cases/missing", json={"case_ids": list(case_ids)})
+
+    # -- plumbing --------------------------------------------------------------
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> SandboxClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self._http.request(method, path, **kwargs)
+        try:
+            response.raise_for_status()
+        except httpx.HTTPStatusError as exc:
+            raise SandboxAdminError(f"{method} {path} -> {response.status_code}: {response.text}") from exc
+        return response.json()
+
+
+def _step_json(step: StepSpec) -> dict[str, Any]:
+    if isinstance(step, BaseModel):
+        return step.model_dump(by_alias=True, exclude_none=True)
+    return dict(step)
+
+
+def _only(**params: str | None) -> dict[str, str]:
+    return {k: v for k, v in params.items() if v is not None}

@@ -1,0 +1,326 @@
+"""Dead letters: one table and one API for every pipeline (002 §8.4, §8.5).
+
+A dead letter is the final state of an entity's failed work, not a log line: one
+active row per (pipeline, entity), enforced by a partial unique index, so the same
+final failure recorded twice (a re-executed op, two workers) stays one row. What
+goes in is sanitized here, at the only door, so no caller can forget.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB, insert
+
+from redrive.failures import Failure
+from redrive.sanitize import sanitize_context, sanitize_text
+from redrive.schema import dead_letters
+
+OPEN, REPLAYING, ESCALATED, RESOLVED = "open", "replaying", "escalated", "resolved"
+FROM_FAILED_STAGE, FROM_START = "failed_stage", "start"
+
+
+class ReplayRefused(Exception):
+    """The operator asked for a replay that §8.5 does not allow yet; the message says why."""
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    id: int
+    pipeline: str
+    stage: str
+    entity_ref: str
+    tenant: str | None
+    error_class: str
+    error_message: str
+    retryable: bool
+    last_stack: str
+    sanitized_context: Mapping[str, Any]
+    payload_ref: Mapping[str, Any]
+    attempts: int
+    stage_attempts: Mapping[str, int]
+    upstream_status: int | None
+    first_failure_at: datetime
+    last_failure_at: datetime
+    occurrences: int
+    status: str
+    replay_count: int
+    replay_from: str | None
+    remediation_evidence: str | None
+    notes: Sequence[Mapping[str, Any]]
+    run_id: str | None
+    escalated_at: datetime | None
+    resolved_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: sa.Row[Any]) -> DeadLetter:
+        m = row._mapping
+        return cls(**{f: m[f] for f in cls.__dataclass_fields__})
+
+    def as_json(self) -> dict[str, Any]:
+        out = {}
+        for key, value in self.__dict__.items():
+            out[key] = value.isoformat() if isinstance(value, datetime) else value
+        return out
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What `record` did: a new dead letter, a repeat of an active one, or an escalation after replay."""
+
+    dead_letter: DeadLetter
+    created: bool
+    escalated: bool = False
+    replay_failed: bool = False
+
+
+@dataclass(frozen=True)
+class FinalFailure:
+    pipeline: str
+    stage: str
+    entity_ref: str
+    failure: Failure
+    attempts: int
+    at: datetime
+    tenant: str | None = None
+    stack: str = ""
+    context: Mapping[str, Any] = field(default_factory=dict)
+    payload_ref: Mapping[str, Any] = field(default_factory=dict)
+    stage_attempts: Mapping[str, int] = field(default_factory=dict)
+    run_id: str | None = None
+
+
+def _note(at: datetime, kind: str, text: str, by: str = "redrive") -> str:
+    return json.dumps([{"at": at.isoformat(), "kind": kind, "by": by, "text": sanitize_text(text)}])
+
+
+def record(conn: sa.Connection, final: FinalFailure) -> Recorded:
+    """Record an entity's final failure exactly once.
+
+    New entity → a new `open` row. Active row being replayed → the replay failed:
+    the same non-retryable error_class again escalates (§8.5), another class reopens
+    it. Active row not being replayed → the same failure reported again: counted,
+    not duplicated.
+    """
+    f = final.failure
+    context = sanitize_context(
+        {
+            **final.context,
+            "stage": final.stage,
+            "attempts": final.attempts,
+            "stage_attempts": dict(final.stage_attempts),
+            "upstream_status": f.upstream_status,
+            "retry_after": f.retry_after,
+        }
+    )
+    values = {
+        "pipeline": final.pipeline,
+        "stage": final.stage,
+        "entity_ref": final.entity_ref,
+        "tenant": final.tenant,
+        "error_class": f.code,
+        "error_message": sanitize_text(f.message)[:500],
+        "retryable": f.retryable,
+        "last_stack": sanitize_text(final.stack or f.detail)[:20000],
+        "sanitized_context": context,
+        "payload_ref": sanitize_context(dict(final.payload_ref)),
+        "attempts": final.attempts,
+        "stage_attempts": dict(final.stage_attempts),
+        "upstream_status": f.upstream_status,
+        "first_failure_at": final.at,
+        "last_failure_at": final.at,
+        "run_id": final.run_id,
+    }
+    current = conn.execute(
+        sa.select(dead_letters)
+        .where(
+            dead_letters.c.pipeline == final.pipeline,
+            dead_letters.c.entity_ref == final.entity_ref,
+            dead_letters.c.status != RESOLVED,
+        )
+        .with_for_update()
+    ).first()
+    if current is None:
+        stmt = (
+            insert(dead_letters)
+            .values(**values, notes=sa.cast(_note(final.at, "dead_lettered", f.code), JSONB))
+            .on_conflict_do_nothing(
+                index_elements=["pipeline", "entity_ref"], index_where=sa.text("status <> 'resolved'")
+            )
+            .returning(*dead_letters.c)
+        )
+        row = conn.execute(stmt).first()
+        if row is not None:
+            return Recorded(DeadLetter.from_row(row), created=True)
+        # Another transaction recorded it between our SELECT and INSERT: treat as a repeat.
+        current = conn.execute(
+            sa.select(dead_letters)
+            .where(
+                dead_letters.c.pipeline == final.pipeline,
+                dead_letters.c.entity_ref == final.entity_ref,
+                dead_letters.c.status != RESOLVED,
+            )
+            .with_for_update()
+        ).one()
+
+    was_replaying = current.status == REPLAYING
+    escalate = was_replaying and current.error_class == f.code and not f.retryable
+    updates: dict[str, Any] = {
+        **{k: v for k, v in values.items() if k not in {"first_failure_at", "pipeline", "entity_ref"}},
+        "occurrences": dead_letters.c.occurrences + 1,
+        "updated_at": sa.func.now(),
+    }
+    if was_replaying:
+        updates["status"] = ESCALATED if escalate else OPEN
+        kind = "replay_failed_escalated" if escalate else "replay_failed"
+        updates["notes"] = dead_letters.c.notes.op("||")(
+            sa.cast(_note(final.at, kind, f"{f.code} at stage {final.stage}"), JSONB)
+        )
+        if escalate:
+            updates["escalated_at"] = final.at
+    row = conn.execute(
+        sa.update(dead_letters).where(dead_letters.c.id == current.id).values(**updates).returning(*dead_letters.c)
+    ).one()
+    return Recorded(DeadLetter.from_row(row), created=False, escalated=escalate, replay_failed=was_replaying)
+
+
+def get(conn: sa.Connection, dead_letter_id: int) -> DeadLetter | None:
+    row = conn.execute(sa.select(dead_letters).where(dead_letters.c.id == dead_letter_id)).first()
+    return DeadLetter.from_row(row) if row else None
+
+
+def active_for(conn: sa.Connection, pipeline: str, entity_ref: str) -> DeadLetter | None:
+    row = conn.execute(
+        sa.select(dead_letters).where(
+            dead_letters.c.pipeline == pipeline,
+            dead_letters.c.entity_ref == entity_ref,
+            dead_letters.c.status != RESOLVED,
+        )
+    ).first()
+    return DeadLetter.from_row(row) if row else None
+
+
+@dataclass(frozen=True)
+class Filter:
+    pipeline: str | None = None
+    error_class: str | None = None
+    statuses: Sequence[str] = (OPEN, ESCALATED)
+    since: datetime | None = None
+    until: datetime | None = None
+    limit: int = 100
+
+
+def list_(conn: sa.Connection, flt: Filter = Filter()) -> list[DeadLetter]:
+    q = sa.select(dead_letters).order_by(dead_letters.c.last_failure_at.desc(), dead_letters.c.id.desc())
+    if flt.pipeline:
+        q = q.where(dead_letters.c.pipeline == flt.pipeline)
+    if flt.error_class:
+        q = q.where(dead_letters.c.error_class == flt.error_class)
+    if flt.statuses:
+        q = q.where(dead_letters.c.status.in_(list(flt.statuses)))
+    if flt.since:
+        q = q.where(dead_letters.c.last_failure_at >= flt.since)
+    if flt.until:
+        q = q.where(dead_letters.c.last_failure_at < flt.until)
+    return [DeadLetter.from_row(r) for r in conn.execute(q.limit(flt.limit))]
+
+
+def request_replay(
+    conn: sa.Connection,
+    dead_letter_id: int,
+    *,
+    evidence: str | None,
+    confirm_safe: bool,
+    at: datetime,
+    operator: str = "operator",
+    from_start: bool = False,
+) -> DeadLetter:
+    """§8.5 pre-replay validation, then mark for replay; a sensor turns it into a run.
+
+    Refused without remediation evidence or without the operator's statement that
+    the replay is idempotent or safe for duplicate effects.
+    """
+    row = conn.execute(sa.select(dead_letters).where(dead_letters.c.id == dead_letter_id).with_for_update()).first()
+    if row is None:
+        raise ReplayRefused(f"dead letter {dead_letter_id} does not exist")
+    if row.status == RESOLVED:
+        raise ReplayRefused(f"dead letter {dead_letter_id} is resolved; nothing to replay")
+    if row.status == REPLAYING:
+        raise ReplayRefused(f"dead letter {dead_letter_id} is already being replayed")
+    if not evidence or not evidence.strip():
+        raise ReplayRefused(
+            "replay refused: record the remediation evidence first (--note 'ticket/incident and what was fixed')"
+        )
+    if not confirm_safe:
+        raise ReplayRefused("replay refused: confirm the replay is idempotent or safe for duplicate effects (--confirm-safe)")
+    note = _note(at, "replay_requested", f"{'full restart' if from_start else 'from ' + row.stage}: {evidence}", operator)
+    updated = conn.execute(
+        sa.update(dead_letters)
+        .where(dead_letters.c.id == dead_letter_id)
+        .values(
+            status=REPLAYING,
+            replay_count=dead_letters.c.replay_count + 1,
+            replay_from=FROM_START if from_start else FROM_FAILED_STAGE,
+            remediation_evidence=sanitize_text(evidence),
+            notes=dead_letters.c.notes.op("||")(sa.cast(note, JSONB)),
+            updated_at=sa.func.now(),
+        )
+        .returning(*dead_letters.c)
+    ).one()
+    return DeadLetter.from_row(updated)
+
+
+def replays_pending(conn: sa.Connection, limit: int = 50) -> list[DeadLetter]:
+    rows = conn.execute(
+        sa.select(dead_letters)
+        .where(dead_letters.c.status == REPLAYING)
+        .order_by(dead_letters.c.updated_at)
+        .limit(limit)
+    )
+    return [DeadLetter.from_row(r) for r in rows]
+
+
+def close_after_success(conn: sa.Connection, pipeline: str, entity_ref: str, at: datetime) -> DeadLetter | None:
+    """Post-replay verification: the entity's work completed, so its dead letter is annotated and closed."""
+    note = _note(at, "replay_succeeded", "work completed after replay")
+    row = conn.execute(
+        sa.update(dead_letters)
+        .where(
+            dead_letters.c.pipeline == pipeline,
+            dead_letters.c.entity_ref == entity_ref,
+            dead_letters.c.status != RESOLVED,
+        )
+        .values(
+            status=RESOLVED,
+            resolved_at=at,
+            notes=dead_letters.c.notes.op("||")(sa.cast(note, JSONB)),
+            updated_at=sa.func.now(),
+        )
+        .returning(*dead_letters.c)
+    ).first()
+    return DeadLetter.from_row(row) if row else None
+
+
+def resolve(conn: sa.Connection, dead_letter_id: int, *, note: str, at: datetime, operator: str = "operator") -> DeadLetter:
+    """Close without replay (e.g. the work was redone by hand); the note is required."""
+    if not note or not note.strip():
+        raise ReplayRefused("resolve refused: say why in --note")
+    row = conn.execute(
+        sa.update(dead_letters)
+        .where(dead_letters.c.id == dead_letter_id, dead_letters.c.status != RESOLVED)
+        .values(
+            status=RESOLVED,
+            resolved_at=at,
+            notes=dead_letters.c.notes.op("||")(sa.cast(_note(at, "resolved", note, operator), JSONB)),
+            updated_at=sa.func.now(),
+        )
+        .returning(*dead_letters.c)
+    ).first()
+    if row is None:
+        raise ReplayRefused(f"dead letter {dead_letter_id} does not exist or is already resolved")
+    return DeadLetter.from_row(row)

@@ -1,0 +1,95 @@
+"""In-process retries: one loop, built on tenacity, driven by our classifier and backoff policies.
+
+The loop retries only what the classifier calls retryable, waits what the policy says (stretched by a
+server's ``Retry-After``), sleeps through the injected ``sleep`` so tests never wait, and on giving
+up raises a typed :class:`~redrive.failures.RedriveError` ``from`` the last exception.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import tenacity
+
+from redrive.backoff import BackoffPolicy
+from redrive.clock import Sleep
+from redrive.failures import Failure, RedriveError
+
+__all__ = ["call_with_retries"]
+
+T = TypeVar("T")
+
+
+def call_with_retries(
+    fn: Callable[[], T],
+    *,
+    classify: Callable[[BaseException], Failure],
+    policy: BackoffPolicy,
+    max_attempts: int,
+    sleep: Sleep = time.sleep,
+    rng: random.Random | None = None,
+    on_retry: Callable[[Failure, int, float], None] | None = None,
+) -> T:
+    """Call ``fn`` up to ``max_attempts`` times (first call included) and return its result.
+
+    Between attempts it waits ``policy.delay(attempt, rng, failure.retry_after)``, where ``attempt``
+    is the 1-based number of the call that just failed. A non-retryable failure stops at once.
+    ``on_retry(failure, attempt, delay)`` is called before each wait, e.g. to log or count.
+
+    Raises the :class:`RedriveError` subclass matching the last failure, ``from`` the last exception,
+    with ``.attempts`` set to the number of calls made. ``BaseException`` that is not an
+    ``Exception`` (``KeyboardInterrupt``, ``SystemExit``) passes through untouched, unretried.
+    """
+    if max_attempts < 1:
+        raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+    source = rng if rng is not None else random.Random()
+    classified: dict[int, tuple[BaseException, Failure]] = {}
+    calls = 0
+
+    def failure_of(exc: BaseException) -> Failure:
+        # Classify each exception once; keep the exception alive so its id cannot be reused.
+        key = id(exc)
+        if key not in classified:
+            classified[key] = (exc, classify(exc))
+        return classified[key][1]
+
+    def should_retry(state: tenacity.RetryCallState) -> bool:
+        outcome = state.outcome
+        if outcome is None or not outcome.failed:
+            return False
+        exc = outcome.exception()
+        return isinstance(exc, Exception) and failure_of(exc).retryable
+
+    def wait(state: tenacity.RetryCallState) -> float:
+        outcome = state.outcome
+        exc = outcome.exception() if outcome is not None else None
+        server_delay = failure_of(exc).retry_after if exc is not None else None
+        return policy.delay(state.attempt_number, source, server_delay)
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        if on_retry is None or state.outcome is None or state.next_action is None:
+            return
+        exc = state.outcome.exception()
+        if exc is not None:
+            on_retry(failure_of(exc), state.attempt_number, state.next_action.sleep)
+
+    def attempt() -> T:
+        nonlocal calls
+        calls += 1
+        return fn()
+
+    retrying = tenacity.Retrying(
+        sleep=sleep,
+        stop=tenacity.stop_after_attempt(max_attempts),
+        wait=wait,
+        retry=should_retry,
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+    try:
+        return retrying(attempt)
+    except Exception as exc:
+        raise RedriveError.of(failure_of(exc), attempts=calls) from exc

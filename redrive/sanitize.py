@@ -1,0 +1,392 @@
+"""Redaction of secrets and PII before text leaves the process (002 §8.4).
+
+Dead-letter payloads, ``last_stack``, ``matching_error`` columns, Slack alerts and logs all pass
+through here. Each removed value becomes a stable marker carrying a short hash of the value,
+``[REDACTED:email:sha256=1a2b3c4d5e6f]``, so an operator can tell "the same key failed twice"
+without ever seeing the key.
+
+The hash is a plain, truncated SHA-256: it hides high-entropy secrets (keys, tokens) but a guessable
+value (a phone number, a common password) can be recovered by enumeration. It is a correlation
+aid, not encryption.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import re
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import date, datetime
+from enum import Enum
+from typing import Any
+from uuid import UUID
+
+__all__ = [
+    "MAX_CONTEXT_STRING",
+    "MAX_STACK_CHARS",
+    "TEXT_HASH_THRESHOLD",
+    "SanitizingFilter",
+    "digest",
+    "install_log_sanitizer",
+    "is_secret_key",
+    "is_text_key",
+    "marker",
+    "sanitize_context",
+    "sanitize_exception",
+    "sanitize_text",
+    "truncate",
+]
+
+TEXT_HASH_THRESHOLD = 256
+"""Prompt/body-like values longer than this are replaced by their length and hash (002 §8.4: no full prompts)."""
+MAX_CONTEXT_STRING = 1024
+"""Any other string in a sanitized context is cut to this many characters."""
+MAX_STACK_CHARS = 20_000
+"""A sanitized stack keeps at most this many characters, from the end (the newest frames)."""
+_MAX_DEPTH = 20
+
+
+def digest(value: object) -> str:
+    """First 12 hex digits of the SHA-256 of ``value`` (str as UTF-8, bytes as is, else ``repr``)."""
+    if isinstance(value, bytes):
+        data = value
+    elif isinstance(value, str):
+        data = value.encode("utf-8", "surrogatepass")
+    else:
+        data = repr(value).encode("utf-8", "surrogatepass")
+    return hashlib.sha256(data).hexdigest()[:12]
+
+
+def _kind(name: str) -> str:
+    return (re.sub(r"[^a-z0-9_]+", "_", name.lower()).strip("_") or "value")[:32]
+
+
+def marker(kind: str, value: object) -> str:
+    """The text that stands in for a redacted value: its kind and a short hash, never the value."""
+    return f"[REDACTED:{_kind(kind)}:sha256={digest(value)}]"
+
+
+# Anything the sanitizer itself wrote. Text is split on these so no pattern ever looks inside one.
+_MARKER = re.compile(
+    r"\[REDACTED:[a-z0-9_]{1,32}:sha256=[0-9a-f]{12}\]"
+    r"|\[TEXT len=\d+ sha256=[0-9a-f]{12}\]"
+    r"|\[BYTES len=\d+ sha256=[0-9a-f]{12}\]"
+)
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """One secret shape: the regex, the marker kind, and which group holds the secret (default: all)."""
+
+    kind: str
+    pattern: re.Pattern[str]
+    group: str | None = None
+    accept: Callable[[str], bool] | None = None  # extra check on the secret text
+
+
+def _digits_between(low: int, high: int) -> Callable[[str], bool]:
+    return lambda text: low <= sum(ch.isdigit() for ch in text) <= high
+
+
+# Keys whose value is a secret, as they appear in text: `password=…`, `"api_key": "…"`, `X-Amz-Signature=…`.
+# The key must END with the secret word, so `max_tokens=256` and `token_count: 3` stay readable.
+_SECRET_KEY_TEXT = (
+    r"[A-Za-z0-9_.-]*?(?:passw(?:or)?d|pwd|secret|token|api[_-]?key|apikey|access[_-]?key|secret[_-]?key"
+    r"|private[_-]?key|signing[_-]?key|credentials?|signature|session[_-]?id|cookie|auth)"
+)
+
+# Order matters a little: structured shapes (URLs, headers) first, so their context survives and the
+# redacted part is exactly the secret; loose shapes (emails, phones) last.
+_RULES: tuple[_Rule, ...] = (
+    # scheme://user:password@host  ->  keep scheme, user and host; the password goes.
+    _Rule(
+        "password",
+        re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]{1,20}://[^\s:/?#@\[\]]*:(?P<v>[^\s@/?#\[\]]+)@"),
+        "v",
+    ),
+    # Slack incoming-webhook URLs are bearer credentials in their path (000 keeps one in config).
+    _Rule("slack_webhook", re.compile(r"hooks\.slack\.com/(?:services|workflows|triggers)/(?P<v>[A-Za-z0-9/_-]+)"), "v"),
+    # Authorization / Proxy-Authorization header values, keeping the scheme word for triage.
+    _Rule(
+        "authorization",
+        re.compile(
+            r"(?i)\b(?:proxy-)?authorization[\"']?\s*[:=]\s*[\"']?"
+            r"(?:(?:bearer|basic|token|digest|negotiate|aws4-hmac-sha256)\s+)?"
+            r"(?!(?:bearer|basic|token|digest|negotiate|aws4-hmac-sha256)(?:\s|$))"  # a scheme word alone
+            r"(?P<v>[^\s\"',;]+(?:,\s*[A-Za-z]+=[^\s\"',;]+)*)"
+        ),
+        "v",
+    ),
+    _Rule("bearer", re.compile(r"(?i)\b(?:bearer|basic)\s+(?P<v>[A-Za-z0-9._~+/=-]{8,})"), "v"),
+    # JSON Web Tokens: three base64url segments, the header always starts with `eyJ` ('{"').
+    _Rule("jwt", re.compile(r"\beyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]*")),
+    # `key: "value"` / `key=value` where the key names a secret.
+    _Rule(
+        "secret",
+        re.compile(
+            r"(?i)(?<![A-Za-z0-9_.-])[\"']?" + _SECRET_KEY_TEXT + r"[\"']?\s*[:=]\s*"
+            r"(?:\"(?P<dq>[^\"\r\n]+)\"|'(?P<sq>[^'\r\n]+)'|(?P<v>[^\s\"'&,;)}\]]+))"
+        ),
+        "dq|sq|v",
+    ),
+    # Well-known API key shapes, wherever they appear.
+    _Rule("api_key", re.compile(r"\b(?:sk|pk|rk)-(?:[A-Za-z0-9]+-)*[A-Za-z0-9_-]{16,}")),
+    _Rule("api_key", re.compile(r"\b(?:sk|pk|rk)_(?:live|test)_[A-Za-z0-9]{12,}")),
+    _Rule("slack_token", re.compile(r"\bxox[abeoprs]-[A-Za-z0-9-]{10,}")),
+    _Rule("aws_access_key", re.compile(r"\b(?:AKIA|ASIA|AROA|AIDA)[0-9A-Z]{16}\b")),
+    _Rule("github_token", re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,})")),
+    _Rule("google_api_key", re.compile(r"\bAIza[0-9A-Za-z_-]{35}")),
+    _Rule("private_key", re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?(?:-----END [A-Z ]*PRIVATE KEY-----|$)")),
+    # Emails, but not the `user@` of a URL (`postgres://app@db:5432` names a role, not a person).
+    _Rule(
+        "email",
+        re.compile(
+            r"(?<![A-Za-z0-9._%+-])(?<!://)[A-Za-z0-9][A-Za-z0-9._%+-]*@"
+            r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*\.[A-Za-z]{2,}\b"
+        ),
+    ),
+    # Phones need a `+` country code, parentheses, or the 3-3-4 shape with one repeated separator, so ids,
+    # ports, ISO timestamps and plain numbers are left alone.
+    _Rule(
+        "phone",
+        re.compile(r"(?<![\w+.-])\+[1-9]\d{0,2}(?:[ .-]?\(?\d{1,4}\)?){2,6}(?![\w.-]?\d)"),
+        accept=_digits_between(8, 15),
+    ),
+    _Rule("phone", re.compile(r"(?<![\w(.-])\(\d{3}\)[ .-]?\d{3}[ .-]\d{4}(?![\w.-]?\d)")),
+    _Rule("phone", re.compile(r"(?<![\w.+-])\d{3}([ .-])\d{3}\1\d{4}(?![\w.-]?\d)")),
+)
+
+
+def _secret_span(rule: _Rule, match: re.Match[str]) -> tuple[int, int] | None:
+    """Where in the match the secret sits, or None when the rule does not apply after all."""
+    names = rule.group.split("|") if rule.group else []
+    for name in names:
+        if match.group(name) is not None:
+            start, end = match.span(name)
+            break
+    else:
+        start, end = match.span()
+    if start == end:
+        return None
+    if rule.accept is not None and not rule.accept(match.string[start:end]):
+        return None
+    return start, end
+
+
+def _apply_rule(rule: _Rule, segments: list[tuple[str, bool]]) -> tuple[list[tuple[str, bool]], bool]:
+    """Run one rule over the plain segments (markers are skipped) and split out what it redacts."""
+    out: list[tuple[str, bool]] = []
+    changed = False
+    for text, is_marker in segments:
+        if is_marker:
+            out.append((text, True))
+            continue
+        pos = 0
+        for match in rule.pattern.finditer(text):
+            span = _secret_span(rule, match)
+            if span is None:
+                continue
+            start, end = span
+            if start > pos:
+                out.append((text[pos:start], False))
+            out.append((marker(rule.kind, text[start:end]), True))
+            pos = end
+            changed = True
+        if pos < len(text):
+            out.append((text[pos:], False))
+    return out, changed
+
+
+def _split_markers(text: str) -> list[tuple[str, bool]]:
+    segments: list[tuple[str, bool]] = []
+    pos = 0
+    for match in _MARKER.finditer(text):
+        if match.start() > pos:
+            segments.append((text[pos : match.start()], False))
+        segments.append((match.group(0), True))
+        pos = match.end()
+    if pos < len(text):
+        segments.append((text[pos:], False))
+    return segments
+
+
+def sanitize_text(text: str) -> str:
+    """Replace every secret and PII shape in ``text`` by a hashed marker; idempotent.
+
+    Rules run over the text between markers only, and the whole pass repeats until nothing changes, so
+    sanitizing an already sanitized text returns it unchanged (each pass strictly shrinks the plain
+    text, so the loop ends).
+    """
+    if not text:
+        return text
+    current = text
+    while True:
+        segments = _split_markers(current)
+        any_change = False
+        for rule in _RULES:
+            segments, changed = _apply_rule(rule, segments)
+            any_change = any_change or changed
+        result = "".join(part for part, _ in segments)
+        if not any_change or result == current:
+            return result
+        current = result
+
+
+# ---------------------------------------------------------------------------------------- structures
+
+_SECRET_KEY_ANYWHERE = re.compile(
+    r"authorization|passw(?:or)?d|secret|apikey|cookie|credential|privatekey|accesskey|signingkey"
+)
+_SECRET_KEY_SUFFIX = re.compile(r"(?:token|session|sessionid|pwd|auth|signature)$")
+_TEXT_KEY_SUFFIX = re.compile(r"(?:prompts?|messages|body|content|text|completion|payload|input|output)$")
+
+
+def _norm_key(key: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", key.lower())
+
+
+def is_secret_key(key: str) -> bool:
+    """True when a mapping key names a secret (``Authorization``, ``x-api-key``, ``refresh_token``, …)."""
+    norm = _norm_key(key)
+    return bool(_SECRET_KEY_ANYWHERE.search(norm) or _SECRET_KEY_SUFFIX.search(norm))
+
+
+def is_text_key(key: str) -> bool:
+    """True when a mapping key holds free text that may be a full prompt or body (hashed when long)."""
+    return bool(_TEXT_KEY_SUFFIX.search(_norm_key(key)))
+
+
+def truncate(text: str, limit: int = MAX_CONTEXT_STRING) -> str:
+    """Cut ``text`` to ``limit`` characters, never inside a marker, and say how much was dropped."""
+    if len(text) <= limit:
+        return text
+    cut = limit
+    for match in _MARKER.finditer(text, max(0, limit - 64), limit + 64):
+        if match.start() < cut < match.end():
+            cut = match.start()
+    return f"{text[:cut]}…[truncated {len(text) - cut} chars]"
+
+
+def _text_marker(text: str) -> str:
+    return f"[TEXT len={len(text)} sha256={digest(text)}]"
+
+
+def _secret_value_marker(key: str, value: Any) -> str:
+    if isinstance(value, str | bytes):
+        return marker(key, value)
+    try:
+        rendered = json.dumps(value, sort_keys=True, default=repr)
+    except (TypeError, ValueError):
+        rendered = repr(value)
+    return marker(key, rendered)
+
+
+def sanitize_context(obj: Any, *, _depth: int = 0, _in_text: bool = False) -> Any:
+    """A JSON-ready copy of ``obj`` safe for a dead-letter ``sanitized_context`` (002 §8.4).
+
+    Values under secret-looking keys are replaced whole; long free text under prompt/body-like keys
+    becomes ``[TEXT len=N sha256=…]``; every other string is sanitized and truncated.
+    """
+    if _depth > _MAX_DEPTH:
+        return "[DEPTH LIMIT]"
+    if obj is None or isinstance(obj, bool | int | float):
+        return obj
+    if isinstance(obj, str):
+        if _in_text and len(obj) > TEXT_HASH_THRESHOLD:
+            return _text_marker(obj)
+        return truncate(sanitize_text(obj))
+    if isinstance(obj, bytes | bytearray | memoryview):
+        raw = bytes(obj)
+        return f"[BYTES len={len(raw)} sha256={digest(raw)}]"
+    if isinstance(obj, Enum):
+        return sanitize_context(obj.value, _depth=_depth + 1, _in_text=_in_text)
+    if isinstance(obj, datetime | date):
+        return obj.isoformat()
+    if isinstance(obj, UUID):
+        return str(obj)
+    if isinstance(obj, Mapping):
+        out: dict[str, Any] = {}
+        for key, value in obj.items():
+            name = key if isinstance(key, str) else str(key)
+            safe_key = truncate(sanitize_text(name), 128)
+            if is_secret_key(name) and value is not None:
+                out[safe_key] = _secret_value_marker(name, value)
+            else:
+                out[safe_key] = sanitize_context(value, _depth=_depth + 1, _in_text=_in_text or is_text_key(name))
+        return out
+    if isinstance(obj, list | tuple | set | frozenset):
+        items = sorted(obj, key=repr) if isinstance(obj, set | frozenset) else obj
+        return [sanitize_context(item, _depth=_depth + 1, _in_text=_in_text) for item in items]
+    model_dump = getattr(obj, "model_dump", None)
+    if callable(model_dump):  # pydantic models
+        return sanitize_context(model_dump(mode="json"), _depth=_depth + 1, _in_text=_in_text)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sanitize_context(dataclasses.asdict(obj), _depth=_depth + 1, _in_text=_in_text)
+    return sanitize_context(str(obj), _depth=_depth + 1, _in_text=_in_text)
+
+
+def sanitize_exception(exc: BaseException, *, limit: int = MAX_STACK_CHARS) -> str:
+    """The formatted traceback with its cause/context chain, redacted (002 §8.4 ``last_stack``).
+
+    Frame lines and exception type names are kept for triage; secrets in messages and source lines
+    are not. Over ``limit`` characters, the oldest part is dropped: the newest frames matter most.
+    """
+    try:
+        text = "".join(traceback.format_exception(exc))
+    except Exception:  # a broken __str__ must not break the dead-letter write
+        text = f"{type(exc).__module__}.{type(exc).__qualname__}: <unprintable exception>\n"
+    text = sanitize_text(text)
+    if len(text) > limit:
+        dropped = len(text) - limit
+        text = f"…[truncated {dropped} chars]\n{text[dropped:]}"
+    return text
+
+
+# ---------------------------------------------------------------------------------------------- logs
+
+
+class SanitizingFilter(logging.Filter):
+    """Formats each record's message, redacts it, and drops the raw args and exc_info.
+
+    The message is rendered first (``msg % args``) because a secret usually arrives as an argument.
+    The traceback is rendered into ``exc_text`` and ``exc_info`` cleared, so no handler can format
+    the raw exception again. Applying it twice is harmless.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # bad format args: keep what we can, still redacted
+            message = f"{record.msg!s} {record.args!r}"
+        record.msg = sanitize_text(message)
+        record.args = None
+        if record.exc_info and record.exc_info[1] is not None:
+            record.exc_text = sanitize_exception(record.exc_info[1]).rstrip("\n")
+            record.exc_info = None
+        elif record.exc_text:
+            record.exc_text = sanitize_text(record.exc_text)
+        if record.stack_info:
+            record.stack_info = sanitize_text(record.stack_info)
+        return True
+
+
+def install_log_sanitizer(logger: logging.Logger | None = None) -> SanitizingFilter:
+    """Attach one :class:`SanitizingFilter` to ``logger`` (root when None) and to its current handlers.
+
+    A logger's own filters only see records logged on that logger; records from child loggers are
+    caught by the handler filters. Handlers added later need ``handler.addFilter(...)`` themselves.
+    Installing twice adds nothing.
+    """
+    target = logger if logger is not None else logging.getLogger()
+    existing = next((f for f in target.filters if isinstance(f, SanitizingFilter)), None)
+    log_filter = existing or SanitizingFilter()
+    if existing is None:
+        target.addFilter(log_filter)
+    for handler in target.handlers:
+        if not any(isinstance(f, SanitizingFilter) for f in handler.filters):
+            handler.addFilter(log_filter)
+    return log_filter

@@ -1,0 +1,155 @@
+"""The core's tables: dead letters, alerts and their deliveries, durable retry timers, stage checkpoints.
+
+Every pipeline shares these; a pipeline's own tables live beside its repository and
+register on the same MetaData, so `alembic check` sees one schema.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+
+TZ = sa.DateTime(timezone=True)
+NOW = sa.text("now()")
+
+# A dead letter is a documented *state* of an entity's work (River), one active row per entity.
+DEAD_LETTER_STATUSES = ("open", "replaying", "escalated", "resolved")
+
+dead_letters = sa.Table(
+    "dead_letters",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("pipeline", sa.Text, nullable=False),
+    sa.Column("stage", sa.Text, nullable=False),
+    sa.Column("entity_ref", sa.Text, nullable=False),
+    sa.Column("tenant", sa.Text),
+    sa.Column("error_class", sa.Text, nullable=False),
+    sa.Column("error_message", sa.Text, nullable=False),
+    sa.Column("retryable", sa.Boolean, nullable=False),
+    sa.Column("last_stack", sa.Text, nullable=False, server_default=""),
+    sa.Column("sanitized_context", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("payload_ref", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("stage_attempts", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("upstream_status", sa.Integer),
+    sa.Column("first_failure_at", TZ, nullable=False),
+    sa.Column("last_failure_at", TZ, nullable=False),
+    sa.Column("occurrences", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("status", sa.Text, nullable=False, server_default="open"),
+    sa.Column("replay_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("replay_from", sa.Text),
+    sa.Column("remediation_evidence", sa.Text),
+    sa.Column("notes", JSONB, nullable=False, server_default=sa.text("'[]'::jsonb")),
+    sa.Column("run_id", sa.Text),
+    sa.Column("escalated_at", TZ),
+    sa.Column("resolved_at", TZ),
+    sa.Column("created_at", TZ, nullable=False, server_default=NOW),
+    sa.Column("updated_at", TZ, nullable=False, server_default=NOW),
+    sa.CheckConstraint(
+        "status IN ('open', 'replaying', 'escalated', 'resolved')", name="status"
+    ),
+    sa.Index(
+        "uq_dead_letters_active_entity",
+        "pipeline",
+        "entity_ref",
+        unique=True,
+        postgresql_where=sa.text("status <> 'resolved'"),
+    ),
+    sa.Index("ix_dead_letters_triage", "pipeline", "status", "error_class", "last_failure_at"),
+)
+
+alerts = sa.Table(
+    "alerts",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("dedupe_key", sa.Text, nullable=False, unique=True),
+    sa.Column("group_key", sa.Text, nullable=False),
+    sa.Column("pipeline", sa.Text, nullable=False),
+    sa.Column("kind", sa.Text, nullable=False),
+    sa.Column("entity_ref", sa.Text),
+    sa.Column("tenant", sa.Text),
+    sa.Column("error_class", sa.Text),
+    sa.Column("summary", sa.Text, nullable=False),
+    sa.Column("attempts", sa.Integer),
+    sa.Column("link", sa.Text),
+    sa.Column("created_at", TZ, nullable=False, server_default=NOW),
+)
+
+alert_deliveries = sa.Table(
+    "alert_deliveries",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("alert_id", sa.BigInteger, sa.ForeignKey("alerts.id", ondelete="CASCADE"), nullable=False),
+    sa.Column("channel", sa.Text, nullable=False),
+    sa.Column("status", sa.Text, nullable=False, server_default="pending"),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("next_attempt_at", TZ, nullable=False, server_default=NOW),
+    sa.Column("last_error", sa.Text),
+    sa.Column("sent_at", TZ),
+    sa.Column("message_id", sa.Text),
+    sa.UniqueConstraint("alert_id", "channel"),
+    sa.CheckConstraint("status IN ('pending', 'sent', 'failed')", name="status"),
+    sa.Index(
+        "ix_alert_deliveries_due",
+        "next_attempt_at",
+        postgresql_where=sa.text("status = 'pending'"),
+    ),
+)
+
+# Durable retry timers: a wait too long to hold a run worker for (000's 30 min, 004's 60 min).
+deferred_attempts = sa.Table(
+    "deferred_attempts",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("pipeline", sa.Text, nullable=False),
+    sa.Column("entity_ref", sa.Text, nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=False),
+    sa.Column("due_at", TZ, nullable=False),
+    sa.Column("status", sa.Text, nullable=False, server_default="waiting"),
+    sa.Column("payload", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("created_at", TZ, nullable=False, server_default=NOW),
+    sa.Column("requested_at", TZ),
+    sa.UniqueConstraint("pipeline", "entity_ref", "attempt"),
+    sa.CheckConstraint("status IN ('waiting', 'requested', 'cancelled')", name="status"),
+    sa.Index("ix_deferred_attempts_due", "due_at", postgresql_where=sa.text("status = 'waiting'")),
+)
+
+# Outputs of completed stages, so a replay starts at the failed stage (002 §8.5).
+stage_checkpoints = sa.Table(
+    "stage_checkpoints",
+    metadata,
+    sa.Column("pipeline", sa.Text, primary_key=True),
+    sa.Column("entity_ref", sa.Text, primary_key=True),
+    sa.Column("stage", sa.Text, primary_key=True),
+    sa.Column("output", JSONB, nullable=False),
+    sa.Column("completed_at", TZ, nullable=False, server_default=NOW),
+)
+
+# The foundation's smoke job proves each dependency end to end and leaves a trace here.
+healthchecks = sa.Table(
+    "healthchecks",
+    metadata,
+    sa.Column("run_key", sa.Text, primary_key=True),
+    sa.Column("checked_at", TZ, nullable=False),
+    sa.Column("results", JSONB, nullable=False),
+)
+
+# Modules that add a pipeline's tables to `metadata`; migrations/env.py imports them all.
+PIPELINE_SCHEMAS: tuple[str, ...] = ("assets.rehearsal.repository",)
+
+
+def all_metadata() -> sa.MetaData:
+    for module in PIPELINE_SCHEMAS:
+        importlib.import_module(module)
+    return metadata

@@ -1,0 +1,105 @@
+"""One settings object for the whole code location, read from the environment.
+
+Read when Definitions (or a command) are built, never at import time. Every
+external endpoint is configuration, so production points at AWS, the real LLM,
+case API and mail provider by values alone; locally `devstack` fills them in.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(extra="ignore", case_sensitive=False)
+
+    # --- system of record -------------------------------------------------
+    database_url: str | None = Field(
+        default=None,
+        description="PostgreSQL for redrive's own tables. Unset: an embedded PostgreSQL (pgserver) "
+        "is started in REDRIVE_DATA_DIR/pg.",
+    )
+    dagster_pg_url: str | None = Field(
+        default=None, description="PostgreSQL for Dagster's run/event/schedule storage."
+    )
+    redrive_data_dir: Path = Field(default=PROJECT_ROOT / ".data")
+
+    # --- AWS (moto locally) -----------------------------------------------
+    aws_endpoint_url: str | None = None
+    aws_region: str = "us-east-1"
+    redrive_bucket: str = "redrive-artifacts"
+
+    # --- external HTTP services (the sandbox locally) -----------------------
+    sandbox_url: str | None = None
+    llm_base_url: str | None = None
+    llm_api_key: str = "sandbox-key"
+    llm_model: str = "gpt-4o-mini"
+    case_api_url: str | None = None
+    case_api_token: str = "sandbox-token"
+    mail_api_url: str | None = None
+    pdf_gateway_url: str | None = None
+    artifact_store_url: str | None = None
+    http_timeout_seconds: float = 10.0
+
+    # --- alerts ---------------------------------------------------------------
+    slack_webhook_url: str | None = None
+    slack_bot_token: str | None = None
+    slack_api_base_url: str | None = None
+    slack_channel: str = "#redrive-alerts"
+    alert_email_to: str | None = Field(default=None, description="Comma-separated addresses.")
+    alert_email_from: str = "redrive@localhost"
+    alert_burst_window_seconds: float = 300.0
+    dagster_ui_url: str = "http://localhost:3000"
+
+    # --- retry timing ----------------------------------------------------------
+    redrive_time_scale: float = Field(
+        default=1.0,
+        description="Multiplies every backoff wait; 0.001 turns a 30-minute backoff into 1.8 s.",
+    )
+    redrive_durable_wait_threshold_seconds: float = Field(
+        default=300.0,
+        description="Retry waits longer than this leave the run and become a durable timer in Postgres.",
+    )
+
+    def _sandbox(self, path: str) -> str | None:
+        return f"{self.sandbox_url.rstrip('/')}{path}" if self.sandbox_url else None
+
+    @property
+    def llm_url(self) -> str | None:
+        return self.llm_base_url or self._sandbox("/llm/v1")
+
+    @property
+    def case_url(self) -> str | None:
+        return self.case_api_url or self._sandbox("/case/v1")
+
+    @property
+    def mail_url(self) -> str | None:
+        return self.mail_api_url or self._sandbox("/mail/v1")
+
+    @property
+    def pdf_url(self) -> str | None:
+        return self.pdf_gateway_url or self._sandbox("/pdf/v1")
+
+    @property
+    def store_url(self) -> str | None:
+        return self.artifact_store_url or self._sandbox("/store")
+
+    @property
+    def slack_api_url(self) -> str | None:
+        return self.slack_api_base_url or self._sandbox("/slack/api/")
+
+    @property
+    def alert_email_recipients(self) -> list[str]:
+        return [a.strip() for a in (self.alert_email_to or "").split(",") if a.strip()]
+
+
+@lru_cache(maxsize=1)
+def cached_settings() -> Settings:
+    """Settings for long-lived processes; tests build `Settings()` directly."""
+    return Settings()

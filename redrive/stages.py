@@ -1,0 +1,138 @@
+"""The Dagster edge of the core: run one stage of one entity's work under its retry policy.
+
+Decides with the pure policy (classify → vocabulary → decide) and carries it out:
+- retryable, short wait → `RetryRequested` with the policy's delay; Dagster holds the
+  run worker for that wait (it sleeps in `ActiveExecution.sleep_til_ready`), which is
+  fine for seconds or a few minutes;
+- retryable, long wait (over the durable threshold) → a durable timer row and
+  `DeferredRetry`; the op ends, no worker idles, a sensor starts the next attempt;
+- permanent, or the stage's budget spent → dead letter + alert exactly once, then
+  `Failure(allow_retries=False)`, and the run is tagged so the run-failure sensor
+  does not alert a second time.
+Exceptions raised to Dagster carry only the sanitized message: Dagster stores the
+cause chain in its event log, and a secret in an upstream error must not land there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import dagster as dg
+
+from redrive.backoff import BackoffPolicy
+from redrive.budgets import RetryDecision, decide
+from redrive.deadletters import FinalFailure
+from redrive.failures import Failure, classify_exception
+from redrive.reliability import Reliability
+from redrive.sanitize import sanitize_exception, sanitize_text
+from redrive.vocabularies import Vocabulary
+
+T = TypeVar("T")
+
+DEAD_LETTERED_TAG = "redrive/dead_lettered"
+DEFERRED_TAG = "redrive/deferred"
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    """How one stage retries: its budget, its backoff, and how its failures are named."""
+
+    max_attempts: int
+    backoff: BackoffPolicy
+    vocabulary: Vocabulary | None = None
+    integrity: str = "conflict"
+
+    def classify(self, exc: BaseException) -> Failure:
+        failure = classify_exception(exc, integrity=self.integrity)
+        return self.vocabulary.apply(failure) if self.vocabulary else failure
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One entity's work, as the core needs to know it for budgets, dead letters and replay."""
+
+    pipeline: str
+    entity_ref: str
+    tenant: str | None = None
+    payload_ref: Mapping[str, Any] = field(default_factory=dict)
+    context: Mapping[str, Any] = field(default_factory=dict)
+    prior_attempts: Mapping[str, int] = field(default_factory=dict)
+
+
+class DeferredRetry(Exception):
+    """The stage's next attempt is a durable timer; the op should end without output."""
+
+    def __init__(self, stage: str, attempt: int, due_at: Any) -> None:
+        super().__init__(f"{stage}: attempt {attempt} deferred until {due_at.isoformat()}")
+        self.stage, self.attempt, self.due_at = stage, attempt, due_at
+
+
+class StageFailed(Exception):
+    """Sanitized stand-in for the real exception in what Dagster records."""
+
+
+def decide_for(policy: StagePolicy, failure: Failure, attempt: int, reliability: Reliability,
+               jitter_key: str) -> RetryDecision:
+    """The policy's decision in real terms (the durable threshold compares these)."""
+    return decide(failure, attempt, policy.max_attempts, policy.backoff, reliability.rng_for(jitter_key))
+
+
+def run_stage(
+    context: dg.OpExecutionContext,
+    reliability: Reliability,
+    unit: Unit,
+    stage: str,
+    policy: StagePolicy,
+    work: Callable[[], T],
+) -> T:
+    """Run `work` once, as attempt N of `stage`; see the module docstring for what a failure becomes."""
+    attempt = unit.prior_attempts.get(stage, 0) + context.retry_number + 1
+    try:
+        return work()
+    except Exception as exc:  # noqa: BLE001 - every failure is classified, none escapes unnamed
+        failure = policy.classify(exc)
+        stack = sanitize_exception(exc)
+    decision = decide_for(policy, failure, attempt, reliability, f"{unit.pipeline}:{unit.entity_ref}:{stage}:{attempt}")
+    wait = decision.delay * reliability.time_scale
+    public = f"{stage} attempt {attempt}/{policy.max_attempts} of {unit.entity_ref}: {failure.code}: {failure.message}"
+    if decision.retry and decision.delay <= reliability.durable_threshold:
+        context.log.warning(f"{public}; retrying in {wait:.3f}s")
+        raise dg.RetryRequested(max_retries=policy.max_attempts, seconds_to_wait=wait) from StageFailed(
+            sanitize_text(public)
+        )
+    if decision.retry:
+        due_at = reliability.defer(unit.pipeline, unit.entity_ref, attempt + 1, wait,
+                                   {"stage": stage, "prior_attempts": {**unit.prior_attempts, stage: attempt}})
+        context.log.warning(f"{public}; next attempt deferred to {due_at.isoformat()} (durable timer)")
+        context.instance.add_run_tags(context.run_id, {DEFERRED_TAG: "true"})
+        raise DeferredRetry(stage, attempt + 1, due_at)
+    recorded = reliability.fail_for_good(
+        FinalFailure(
+            pipeline=unit.pipeline,
+            stage=stage,
+            entity_ref=unit.entity_ref,
+            failure=failure,
+            attempts=attempt,
+            at=reliability.now(),
+            tenant=unit.tenant,
+            stack=stack,
+            context={**unit.context, "dagster_run_id": context.run_id, "decision": decision.reason},
+            payload_ref=unit.payload_ref,
+            stage_attempts={**unit.prior_attempts, stage: attempt},
+            run_id=context.run_id,
+        )
+    )
+    context.instance.add_run_tags(context.run_id, {DEAD_LETTERED_TAG: "true"})
+    context.log.error(f"{public}; {decision.reason}: dead letter {recorded.dead_letter.id}")
+    raise dg.Failure(
+        description=sanitize_text(f"{public} ({decision.reason}); dead letter {recorded.dead_letter.id}"),
+        metadata={
+            "dead_letter_id": recorded.dead_letter.id,
+            "error_class": failure.code,
+            "attempts": attempt,
+            "escalated": recorded.escalated,
+        },
+        allow_retries=False,
+    ) from StageFailed(failure.code)

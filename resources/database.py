@@ -1,0 +1,24 @@
+"""PostgreSQL, the system of record, as a Dagster resource."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from redrive.db import engine_for, resolve_database_url
+from redrive.settings import Settings
+
+
+class PostgresResource(ConfigurableResource):
+    """SQLAlchemy engine on DATABASE_URL; unset, on the embedded PostgreSQL."""
+
+    database_url: str | None = Field(default=None, description="Unset: embedded PostgreSQL in the data folder.")
+
+    def url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return resolve_database_url(Settings(database_url=None))
+
+    def engine(self) -> sa.Engine:
+        return engine_for(self.url())

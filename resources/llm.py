@@ -1,0 +1,45 @@
+"""An OpenAI-compatible chat-completions client that returns a validated decision or raises.
+
+No path returns an empty result on failure (000's silent degradation): an HTTP error
+raises `httpx.HTTPStatusError`, a body that is not JSON raises `json.JSONDecodeError`,
+and a reply that does not fit the schema raises `pydantic.ValidationError`; the
+core's classifier names each of them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+import httpx
+from dagster import ConfigurableResource
+from pydantic import BaseModel
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class LlmResource(ConfigurableResource):
+    base_url: str
+    api_key: str
+    model: str = "gpt-4o-mini"
+    timeout_seconds: float = 30.0
+
+    def chat_json(self, messages: list[dict[str, str]], schema: type[M], *, client: httpx.Client | None = None) -> M:
+        body = {"model": self.model, "messages": messages, "response_format": {"type": "json_object"}}
+        own = client is None
+        http = client or httpx.Client(timeout=self.timeout_seconds)
+        try:
+            response = http.post(
+                f"{self.base_url.rstrip('/')}/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {self.api_key}"},
+            )
+            response.raise_for_status()
+            envelope: dict[str, Any] = json.loads(response.content)
+            content = envelope["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise json.JSONDecodeError(f"unexpected completion envelope: {type(exc).__name__}", "", 0) from exc
+        finally:
+            if own:
+                http.close()
+        return schema.model_validate(json.loads(content))

@@ -1,0 +1,36 @@
+"""The core's runtime as a Dagster resource: database, alert channels, clock, time scale."""
+
+from __future__ import annotations
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from redrive.clock import Clock, SystemClock
+from redrive.reliability import Reliability
+from resources.database import PostgresResource
+from resources.notify import NotifierResource
+
+
+class ReliabilityResource(ConfigurableResource):
+    """What every pipeline uses to dead-letter, alert and defer; one per code location."""
+
+    database: PostgresResource
+    notifier: NotifierResource
+    time_scale: float = Field(default=1.0, description="Multiplies every backoff wait (REDRIVE_TIME_SCALE).")
+    durable_threshold_seconds: float = Field(default=300.0, description="Longer waits become durable timers.")
+    burst_window_seconds: float = Field(default=300.0, description="Alerts of one kind within it become one message.")
+    ui_url: str = "http://localhost:3000"
+
+    jitter_seed: str = Field(default="", description="Seeds jitter; fixed per entity, stage and attempt.")
+
+    def runtime(self, clock: Clock | None = None) -> Reliability:
+        return Reliability(
+            engine=self.database.engine(),
+            channels=self.notifier.channels(),
+            clock=clock or SystemClock(),
+            jitter_seed=self.jitter_seed,
+            time_scale=self.time_scale,
+            durable_threshold=self.durable_threshold_seconds,
+            burst_window=self.burst_window_seconds,
+            ui_url=self.ui_url,
+        )

@@ -1,0 +1,141 @@
+"""Sensor factories of the core: alert delivery, unexpected run failures, durable retries, replays.
+
+Sensors decide and request; runs do the work (STYLE). The retry and replay sensors
+only read and emit RunRequests whose keys name the entity and the attempt or replay
+number (`redrive.run_keys`), so a repeated tick starts nothing twice and a failed
+run never blocks the next attempt. A sensor that meets an error raises it: Dagster
+shows a failed tick, never a silent "nothing new".
+"""
+
+# No `from __future__ import annotations`: Dagster reads config and resource types from live annotations.
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import dagster as dg
+from dagster._core.storage.tags import WILL_RETRY_TAG
+
+from redrive import deadletters, timers
+from redrive.alerts import Alert
+from redrive.deadletters import DeadLetter
+from redrive.run_keys import run_key
+from redrive.sanitize import sanitize_text
+from redrive.stages import DEAD_LETTERED_TAG, DEFERRED_TAG
+from redrive.timers import Timer
+from resources.reliability import ReliabilityResource
+
+REPLAY_TAG = "redrive/replay_of"
+
+
+def alert_delivery_sensor(minimum_interval_seconds: int = 30) -> dg.SensorDefinition:
+    @dg.sensor(name="redrive_alert_delivery", minimum_interval_seconds=minimum_interval_seconds,
+               default_status=dg.DefaultSensorStatus.RUNNING)
+    def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource) -> dg.SkipReason:
+        """Delivers pending alerts (retrying after a notifier outage, releasing held bursts)."""
+        report = reliability.runtime().try_dispatch()
+        if report is None:
+            return dg.SkipReason("no alert channel configured or dispatch failed; deliveries stay pending")
+        return dg.SkipReason(
+            f"sent {report.sent_messages} messages for {report.sent_alerts} alerts; "
+            f"{report.deferred} held for burst window; {report.failed_attempts} channel failures"
+        )
+
+    return _sensor
+
+
+def should_alert_run_failure(tags: Mapping[str, str]) -> bool:
+    """Pure: alert unless Dagster will retry the run or the core already alerted for it."""
+    if tags.get(WILL_RETRY_TAG) == "true":
+        return False
+    return tags.get(DEAD_LETTERED_TAG) != "true" and tags.get(DEFERRED_TAG) != "true"
+
+
+def run_failure_alert_sensor() -> dg.SensorDefinition:
+    @dg.run_failure_sensor(name="redrive_run_failure_alerts", monitor_all_code_locations=False,
+                           default_status=dg.DefaultSensorStatus.RUNNING)
+    def _sensor(context: dg.RunFailureSensorContext, reliability: ReliabilityResource) -> None:
+        """Posts unexpected run failures to the alert channels; silent for runs Dagster will retry."""
+        run = context.dagster_run
+        if not should_alert_run_failure(run.tags):
+            return
+        runtime = reliability.runtime()
+        message = context.failure_event.message or "run failed"
+        runtime.alert(
+            Alert(
+                pipeline=run.tags.get("redrive/pipeline", run.job_name),
+                kind="run_failure",
+                dedupe_key=f"run_failure:{run.run_id}",
+                summary=sanitize_text(f"run of {run.job_name} failed: {message}")[:400],
+                entity_ref=run.tags.get("dagster/partition"),
+                link=runtime.run_link(run.run_id),
+            )
+        )
+
+    return _sensor
+
+
+@dataclass(frozen=True)
+class ReplayTarget:
+    """How a pipeline's entity becomes a run: for durable retries and for replays."""
+
+    job: dg.JobDefinition
+    run_config: Callable[[str, Mapping[str, object]], dict]
+    partition_key: Callable[[str], str | None] = lambda entity: None
+
+    @property
+    def job_name(self) -> str:
+        return self.job.name
+
+
+def deferred_retry_sensor(pipeline: str, target: ReplayTarget, *, limit: int = 100,
+                          minimum_interval_seconds: int = 30) -> dg.SensorDefinition:
+    @dg.sensor(name=f"{pipeline}_deferred_retries", job=target.job,
+               minimum_interval_seconds=minimum_interval_seconds, default_status=dg.DefaultSensorStatus.RUNNING)
+    def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
+        """Requests the next attempt of entities whose durable retry timer is due."""
+        runtime = reliability.runtime()
+        with runtime.engine.connect() as conn:
+            due = timers.due(conn, runtime.now(), pipeline=pipeline, limit=limit)
+        if not due:
+            return dg.SkipReason("no retry timer due")
+        return [timer_run_request(pipeline, target, t) for t in due]
+
+    return _sensor
+
+
+def timer_run_request(pipeline: str, target: ReplayTarget, timer: Timer) -> dg.RunRequest:
+    return dg.RunRequest(
+        run_key=run_key(pipeline, timer.entity_ref, attempt=timer.attempt),
+        run_config=target.run_config(timer.entity_ref, {"attempt": timer.attempt, **timer.payload}),
+        partition_key=target.partition_key(timer.entity_ref),
+        tags={"redrive/pipeline": pipeline, "redrive/attempt": str(timer.attempt)},
+    )
+
+
+def replay_run_request(letter: DeadLetter, target: ReplayTarget) -> dg.RunRequest:
+    return dg.RunRequest(
+        run_key=run_key(letter.pipeline, letter.entity_ref, replay=letter.replay_count),
+        job_name=target.job_name,
+        run_config=target.run_config(letter.entity_ref, {"replay_of": letter.id, "replay_from": letter.replay_from,
+                                                         "stage": letter.stage}),
+        partition_key=target.partition_key(letter.entity_ref),
+        tags={"redrive/pipeline": letter.pipeline, REPLAY_TAG: str(letter.id),
+              "redrive/replay": str(letter.replay_count)},
+    )
+
+
+def dead_letter_replay_sensor(targets: Mapping[str, ReplayTarget], *, limit: int = 50,
+                              minimum_interval_seconds: int = 15) -> dg.SensorDefinition:
+    jobs = list({t.job_name: t.job for t in targets.values()}.values())
+
+    @dg.sensor(name="redrive_dead_letter_replays", jobs=jobs, minimum_interval_seconds=minimum_interval_seconds, default_status=dg.DefaultSensorStatus.RUNNING)
+    def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
+        """Starts a run for each dead letter an operator asked to replay (`redrive dlq replay`)."""
+        runtime = reliability.runtime()
+        with runtime.engine.connect() as conn:
+            pending = deadletters.replays_pending(conn, limit=limit)
+        requests = [replay_run_request(letter, targets[letter.pipeline])
+                    for letter in pending if letter.pipeline in targets]
+        return requests or dg.SkipReason("no replay requested")
+
+    return _sensor

@@ -1,0 +1,55 @@
+"""The local stack starts what is missing, stops all of it, and runs again on a clean slate."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from redrive.settings import PROJECT_ROOT
+
+
+def _ours(data_dir: Path) -> list[str]:
+    """Processes that belong to a stack rooted at data_dir: its postgres, or moto/sandbox children of it."""
+    found = []
+    for proc in psutil.process_iter(attrs=["pid", "cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if str(data_dir) in cmd:
+            found.append(f"{proc.info['pid']}: {cmd[:120]}")
+    return found
+
+
+def _run_stack(data_dir: Path, marker: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"DATABASE_URL", "DAGSTER_PG_URL", "AWS_ENDPOINT_URL", "SANDBOX_URL", "DAGSTER_HOME",
+                        "SLACK_WEBHOOK_URL", "ALERT_EMAIL_TO"}}
+    env["REDRIVE_DATA_DIR"] = str(data_dir)
+    probe = (
+        "import os, httpx, sqlalchemy as sa;"
+        "e = sa.create_engine(os.environ['DATABASE_URL']);"
+        "c = e.connect(); c.execute(sa.text('select 1')); c.close(); e.dispose();"
+        "assert httpx.get(os.environ['SANDBOX_URL'] + '/_admin/health').status_code == 200;"
+        "assert httpx.get(os.environ['AWS_ENDPOINT_URL'] + '/moto-api/').status_code == 200;"
+        f"open({str(marker)!r}, 'a').write(os.environ['AWS_ENDPOINT_URL'] + ' ' + os.environ['SANDBOX_URL'] + chr(10))"
+    )
+    return subprocess.run([sys.executable, "-m", "devstack", "run", "--purpose", "lifecycle", "--",
+                           sys.executable, "-c", probe],
+                          cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_stack_runs_twice_and_leaves_nothing_running(tmp_path: Path) -> None:
+    """Two runs in a row: each reaches Postgres, moto and the sandbox; afterwards no process of it is left."""
+    data_dir = tmp_path / "data"
+    marker = tmp_path / "endpoints.txt"
+    for _ in range(2):
+        result = _run_stack(data_dir, marker)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert _ours(data_dir) == []
+    endpoints = marker.read_text().splitlines()
+    assert len(endpoints) == 2
+    assert (data_dir / "pg" / "PG_VERSION").exists()  # the data folder is reused, not re-initialised
+    postmaster = data_dir / "pg" / "postmaster.pid"
+    assert not postmaster.exists()
