@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from devstack.process import Child, spawn
 
 MOTO_ENV = {
@@ -11,5 +13,5 @@ MOTO_ENV = {
 }
 
 
-def start_moto() -> Child:
-    return spawn("moto", ["-m", "moto.server", "-H", "127.0.0.1", "-p", "{port}"], "/moto-api/")
+def start_moto(log_dir: Path | None = None) -> Child:
+    return spawn("moto", ["-m", "moto.server", "-H", "127.0.0.1", "-p", "{port}"], "/moto-api/", log_dir=log_dir)

@@ -7,8 +7,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -54,19 +56,21 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0)
     return False
 
 
-def spawn(name: str, args: list[str], health_path: str, attempts: int = 3) -> Child:
+def spawn(name: str, args: list[str], health_path: str, attempts: int = 3, log_dir: Path | None = None) -> Child:
     """Start `python -m …` on a fresh loopback port (retrying if the port was taken meanwhile)."""
     last_error = ""
     for _ in range(attempts):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         argv = [sys.executable, *[a.replace("{port}", str(port)) for a in args]]
-        proc = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-        )
+        # stderr to a file, never an unread pipe: a full pipe would block the child.
+        log_path = (log_dir or Path(tempfile.gettempdir())) / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "wb") as log_file:
+            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log_file, start_new_session=True)
         if wait_healthy(url + health_path, proc):
             return Child(name, proc, url)
         child = Child(name, proc, url)
         child.stop()
-        last_error = (proc.stderr.read() if proc.stderr else b"").decode(errors="replace")[-2000:]
+        last_error = log_path.read_text(errors="replace")[-2000:]
     raise RuntimeError(f"{name} did not start: {last_error}")

@@ -97,13 +97,14 @@ def local_stack(purpose: str = "dev", *, migrate: bool = True) -> Iterator[Stack
             stack.env["DAGSTER_HOME"] = str(dagster_home(purpose))
 
         if not settings.aws_endpoint_url:
-            moto = start_moto()
+            moto = start_moto(settings.redrive_data_dir / "logs")
             children.append(moto)
             stack.started.append("moto")
             stack.env.update(MOTO_ENV)
             stack.env["AWS_ENDPOINT_URL"] = moto.url
         if not settings.sandbox_url:
-            sandbox = spawn("sandbox", ["-m", "devstack.sandbox", "--port", "{port}"], "/_admin/health")
+            sandbox = spawn("sandbox", ["-m", "devstack.sandbox", "--port", "{port}", "--no-access-log"],
+                            "/_admin/health", log_dir=settings.redrive_data_dir / "logs")
             children.append(sandbox)
             stack.started.append("sandbox")
             stack.env["SANDBOX_URL"] = sandbox.url

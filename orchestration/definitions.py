@@ -7,6 +7,7 @@ import dagster as dg
 from assets.healthcheck import stack_healthcheck
 from assets.rehearsal import pipeline as rehearsal
 from orchestration.jobs import JOBS
+from redrive import logs
 from redrive.settings import Settings
 from resources.factory import build_resources
 from sensors.core import (
@@ -25,6 +26,7 @@ REPLAY_TARGETS = {
 def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     """Build everything from settings read now, never at import time of a module."""
     settings = settings or Settings()
+    logs.install()
     return dg.Definitions(
         assets=[stack_healthcheck],
         jobs=JOBS,

@@ -216,6 +216,9 @@ def db_downgrade(yes: Annotated[bool, typer.Option("--yes", help="really drop ev
 
 
 def main() -> None:  # pragma: no cover - console entry
+    from redrive import logs
+
+    logs.install()
     try:
         app()
     except Exception as exc:  # noqa: BLE001 - one line for operators, never a stack trace

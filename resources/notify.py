@@ -65,7 +65,7 @@ class EmailChannel:
         for recipient in self.recipients:
             response = httpx.post(
                 f"{self.mail_url.rstrip('/')}/messages",
-                json={"to": recipient, "from": self.sender, "subject": subject, "text": text,
+                json={"to": recipient, "subject": subject, "text": text,
                       "idempotency_token": f"{token}:{recipient}"},
                 headers={"Authorization": f"Bearer {self.api_token}"},
                 timeout=10,

@@ -18,10 +18,12 @@ import sqlalchemy as sa
 
 from devstack.postgres import create_database, drop_database, with_database
 from devstack.stack import Stack, local_stack
+from redrive import logs
 from redrive.db import engine_for, upgrade_head
 from redrive.settings import Settings
 
 _counter = itertools.count()
+logs.install()  # as the code location does: no test log may carry a secret either
 
 
 @pytest.fixture(scope="session")

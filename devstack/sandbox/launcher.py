@@ -28,9 +28,12 @@ class SandboxStartError(RuntimeError):
 class SandboxProcess:
     """One `python -m devstack.sandbox --port 0` child; use as a context manager."""
 
-    def __init__(self, popen: subprocess.Popen[str], url: str, stderr: IO[bytes]) -> None:
+    def __init__(
+        self, popen: subprocess.Popen[str], url: str, stderr: IO[bytes], drain: threading.Thread
+    ) -> None:
         self._popen = popen
         self._stderr = stderr
+        self._drain = drain
         self.url = url
 
     @classmethod
@@ -52,16 +55,17 @@ class SandboxProcess:
         )
         lines: queue.Queue[str | None] = queue.Queue()
         # Keep draining stdout for the child's whole life, so a full pipe can never block it.
-        threading.Thread(target=_drain, args=(popen.stdout, lines), daemon=True).start()
+        drain = threading.Thread(target=_drain, args=(popen.stdout, lines), daemon=True)
+        drain.start()
         try:
             url = _await_url(lines, startup_timeout)
         except SandboxStartError as exc:
-            _stop(popen)
+            _stop(popen, drain)
             stderr.seek(0)
             tail = stderr.read()[-2000:].decode(errors="replace")
             stderr.close()
             raise SandboxStartError(f"{exc}; stderr:\n{tail}") from None
-        return cls(popen, url, stderr)
+        return cls(popen, url, stderr, drain)
 
     @property
     def pid(self) -> int:
@@ -72,7 +76,7 @@ class SandboxProcess:
 
     def stop(self) -> int:
         """SIGTERM, wait, SIGKILL if it lingers; returns the exit code. Safe to call twice."""
-        code = _stop(self._popen)
+        code = _stop(self._popen, self._drain)
         self._stderr.close()
         return code
 
@@ -106,11 +110,15 @@ def _await_url(lines: queue.Queue[str | None], timeout: float) -> str:
             return line[len(URL_PREFIX) :].strip()
 
 
-def _stop(popen: subprocess.Popen[str], timeout: float = 10.0) -> int:
+def _stop(popen: subprocess.Popen[str], drain: threading.Thread, timeout: float = 10.0) -> int:
     if popen.poll() is None:
         popen.terminate()
         try:
-            return popen.wait(timeout)
+            popen.wait(timeout)
         except subprocess.TimeoutExpired:
             popen.kill()
-    return popen.wait()
+    code = popen.wait()
+    drain.join(timeout)  # reaches EOF once the child is gone
+    if popen.stdout is not None:
+        popen.stdout.close()
+    return code

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 
 from devstack.sandbox import SandboxClient
@@ -137,3 +139,17 @@ def test_llm_without_key_is_refused_openai_style(http: httpx.Client) -> None:
     assert answer.status_code == 401
     assert answer.json()["error"]["code"] == "invalid_api_key"
     assert answer.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_concurrent_retries_with_one_key_attach_once(sandbox: SandboxClient) -> None:
+    """Twenty simultaneous attaches with the same Idempotency-Key create exactly one attachment."""
+
+    def attach(_: int) -> int:
+        with httpx.Client(base_url=sandbox.base_url, timeout=5) as client:
+            return _attach(client, "case-9/art-1", case_id="case-9").status_code
+
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        statuses = list(pool.map(attach, range(20)))
+
+    assert sorted(statuses) == [200] * 19 + [201]
+    assert sandbox.count("case.attach") == 1
