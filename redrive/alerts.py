@@ -52,7 +52,7 @@ class Channel(Protocol):
     def send(self, subject: str, text: str, token: str) -> str | None: ...
 
 
-def enqueue(conn: sa.Connection, alert: Alert, channels: Sequence[str]) -> bool:
+def enqueue(conn: sa.Connection, alert: Alert, channels: Sequence[str], now: datetime) -> bool:
     """Insert the alert and one pending delivery per channel; False when its dedupe key was already used."""
     row = conn.execute(
         insert(alerts)
@@ -67,6 +67,7 @@ def enqueue(conn: sa.Connection, alert: Alert, channels: Sequence[str]) -> bool:
             summary=sanitize_text(alert.summary)[:1000],
             attempts=alert.attempts,
             link=alert.link,
+            created_at=now,
         )
         .on_conflict_do_nothing(index_elements=["dedupe_key"])
         .returning(alerts.c.id)
@@ -74,7 +75,7 @@ def enqueue(conn: sa.Connection, alert: Alert, channels: Sequence[str]) -> bool:
     if row is None:
         return False
     for channel in channels:
-        conn.execute(insert(alert_deliveries).values(alert_id=row.id, channel=channel))
+        conn.execute(insert(alert_deliveries).values(alert_id=row.id, channel=channel, next_attempt_at=now))
     return True
 
 

@@ -8,7 +8,6 @@ goes in is sanitized here, at the only door, so no caller can forget.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -95,8 +94,9 @@ class FinalFailure:
     run_id: str | None = None
 
 
-def _note(at: datetime, kind: str, text: str, by: str = "redrive") -> str:
-    return json.dumps([{"at": at.isoformat(), "kind": kind, "by": by, "text": sanitize_text(text)}])
+def _note(at: datetime, kind: str, text: str, by: str = "redrive") -> sa.BindParameter[Any]:
+    """A one-element JSONB array to append to `notes` (bound as JSON, never spliced into SQL)."""
+    return sa.literal([{"at": at.isoformat(), "kind": kind, "by": by, "text": sanitize_text(text)}], JSONB)
 
 
 def record(conn: sa.Connection, final: FinalFailure) -> Recorded:
@@ -148,7 +148,7 @@ def record(conn: sa.Connection, final: FinalFailure) -> Recorded:
     if current is None:
         stmt = (
             insert(dead_letters)
-            .values(**values, notes=sa.cast(_note(final.at, "dead_lettered", f.code), JSONB))
+            .values(**values, notes=_note(final.at, "dead_lettered", f.code))
             .on_conflict_do_nothing(
                 index_elements=["pipeline", "entity_ref"], index_where=sa.text("status <> 'resolved'")
             )
@@ -179,7 +179,7 @@ def record(conn: sa.Connection, final: FinalFailure) -> Recorded:
         updates["status"] = ESCALATED if escalate else OPEN
         kind = "replay_failed_escalated" if escalate else "replay_failed"
         updates["notes"] = dead_letters.c.notes.op("||")(
-            sa.cast(_note(final.at, kind, f"{f.code} at stage {final.stage}"), JSONB)
+            _note(final.at, kind, f"{f.code} at stage {final.stage}")
         )
         if escalate:
             updates["escalated_at"] = final.at
@@ -316,7 +316,7 @@ def resolve(conn: sa.Connection, dead_letter_id: int, *, note: str, at: datetime
         .values(
             status=RESOLVED,
             resolved_at=at,
-            notes=dead_letters.c.notes.op("||")(sa.cast(_note(at, "resolved", note, operator), JSONB)),
+            notes=dead_letters.c.notes.op("||")(_note(at, "resolved", note, operator)),
             updated_at=sa.func.now(),
         )
         .returning(*dead_letters.c)

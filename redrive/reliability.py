@@ -77,6 +77,7 @@ class Reliability:
                         link=link or self.run_link(final.run_id),
                     ),
                     list(self.channels),
+                    self.now(),
                 )
         self.try_dispatch()
         return recorded
@@ -84,7 +85,7 @@ class Reliability:
     def alert(self, alert: Alert) -> bool:
         """Enqueue a non-dead-letter alert (stuck work, broken ordering contract…) and try to send it."""
         with self.engine.begin() as conn:
-            created = alerts.enqueue(conn, alert, list(self.channels))
+            created = alerts.enqueue(conn, alert, list(self.channels), self.now())
         if created:
             self.try_dispatch()
         return created
@@ -105,6 +106,11 @@ class Reliability:
         with self.engine.begin() as conn:
             timers.defer(conn, timers.Timer(pipeline, entity_ref, attempt, due_at, payload or {}))
         return due_at
+
+    def resume(self, pipeline: str, entity_ref: str, attempt: int) -> bool:
+        """A run started by a durable timer consumes it, so the sensor does not request it again."""
+        with self.engine.begin() as conn:
+            return timers.consume(conn, pipeline, entity_ref, attempt, self.now())
 
     def succeeded(self, pipeline: str, entity_ref: str) -> deadletters.DeadLetter | None:
         """Post-replay verification (§8.5): completed work closes its entity's dead letter, if any."""

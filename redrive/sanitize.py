@@ -96,7 +96,7 @@ def _digits_between(low: int, high: int) -> Callable[[str], bool]:
 # The key must END with the secret word, so `max_tokens=256` and `token_count: 3` stay readable.
 _SECRET_KEY_TEXT = (
     r"[A-Za-z0-9_.-]*?(?:passw(?:or)?d|pwd|secret|token|api[_-]?key|apikey|access[_-]?key|secret[_-]?key"
-    r"|private[_-]?key|signing[_-]?key|credentials?|signature|session[_-]?id|cookie|auth)"
+    r"|private[_-]?key|signing[_-]?key|credentials?|signature|session[_-]?id|cookie)"
 )
 
 # Order matters a little: structured shapes (URLs, headers) first, so their context survives and the

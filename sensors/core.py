@@ -106,6 +106,7 @@ def deferred_retry_sensor(pipeline: str, target: ReplayTarget, *, limit: int = 1
 def timer_run_request(pipeline: str, target: ReplayTarget, timer: Timer) -> dg.RunRequest:
     return dg.RunRequest(
         run_key=run_key(pipeline, timer.entity_ref, attempt=timer.attempt),
+        job_name=target.job_name,
         run_config=target.run_config(timer.entity_ref, {"attempt": timer.attempt, **timer.payload}),
         partition_key=target.partition_key(timer.entity_ref),
         tags={"redrive/pipeline": pipeline, "redrive/attempt": str(timer.attempt)},

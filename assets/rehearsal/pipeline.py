@@ -78,6 +78,8 @@ def fetch(context: dg.OpExecutionContext, config: RehearsalConfig, reliability: 
           artifact_store: ArtifactStoreResource):
     """Download the artifact from the store (the sandbox locally)."""
     runtime = reliability.runtime()
+    if config.attempt is not None:
+        runtime.resume(PIPELINE, config.request_id, config.attempt)
     with runtime.engine.begin() as conn:
         if config.replay_from == "start":
             checkpoints.clear(conn, PIPELINE, config.request_id)

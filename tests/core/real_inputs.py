@@ -12,7 +12,7 @@ import psycopg2.errors as pg_errors
 import pydantic
 import sqlalchemy.exc as sa_exc
 
-from redrive.failures import Code, Failure, classify_exception, classify_http
+from redrive.failures import Code, Failure, classify_exception
 
 NOW = datetime(2026, 2, 26, 12, 0, 0, tzinfo=UTC)
 REQUEST = httpx.Request("POST", "https://api.example.test/v1/chat/completions")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from redrive.failures import Code, Failure
+from redrive.failures import Code, Failure, classify_exception
 from redrive.vocabularies import (
     CONVERSION,
     CONVERSION_INTERNAL,
@@ -332,7 +332,5 @@ def test_unlisted_code_uses_default() -> None:
 
 def test_aws_not_found_reaches_evidence_as_case_not_found() -> None:
     """A real ClientError 404 from the case side ends as CASE_NOT_FOUND, permanent (004 §7)."""
-    from redrive.failures import classify_exception
-
     applied = EVIDENCE.apply(classify_exception(client_error("ResourceNotFoundException", 404)))
     assert (applied.code, applied.retryable) == ("CASE_NOT_FOUND", False)

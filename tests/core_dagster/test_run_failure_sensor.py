@@ -1,0 +1,60 @@
+"""Unexpected run failures reach Slack once; runs Dagster will retry, or the core already reported, do not."""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from assets.rehearsal import pipeline as rehearsal
+from sensors.core import should_alert_run_failure
+
+
+def evaluate_failure_sensor(defs, instance, run_id: str) -> None:
+    run = instance.get_run_by_id(run_id)
+    failure = instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.RUN_FAILURE).records[0]
+    sensor = defs.get_sensor_def("redrive_run_failure_alerts")
+    with dg.build_run_status_sensor_context(
+        sensor_name=sensor.name, dagster_event=failure.event_log_entry.dagster_event, dagster_instance=instance,
+        dagster_run=run, resources=defs.resources,
+    ) as context:
+        sensor(context.for_run_failure())
+
+
+def test_unexpected_run_failure_is_posted_once(defs, instance, sandbox) -> None:
+    """A bug (the request does not exist) fails the run outside any stage policy: one Slack message."""
+    result = defs.resolve_job_def("rehearsal_job").execute_in_process(
+        run_config=rehearsal.run_config("no-such-request", {}), instance=instance, raise_on_error=False)
+    assert not result.success
+    evaluate_failure_sensor(defs, instance, result.run_id)
+    evaluate_failure_sensor(defs, instance, result.run_id)  # a second evaluation of the same failure
+    [message] = sandbox.effects("slack.message")
+    assert "rehearsal_job" in message["payload"]["text"] and result.run_id in message["payload"]["text"]
+
+
+def test_dead_lettered_run_is_not_posted_again(defs, instance, sandbox, rehearsal_request) -> None:
+    """The stage already dead-lettered and alerted; the run-failure sensor stays silent."""
+    sandbox.script("llm", {"status": 403})
+    result = defs.resolve_job_def("rehearsal_job").execute_in_process(
+        run_config=rehearsal.run_config(rehearsal_request, {}), instance=instance, raise_on_error=False)
+    assert sandbox.count("slack.message") == 1
+    evaluate_failure_sensor(defs, instance, result.run_id)
+    assert sandbox.count("slack.message") == 1
+
+
+def test_policy_skips_runs_dagster_will_retry() -> None:
+    """`dagster/will_retry=true` means Dagster will retry the run: no alert yet."""
+    assert should_alert_run_failure({}) is True
+    assert should_alert_run_failure({"dagster/will_retry": "true"}) is False
+    assert should_alert_run_failure({"dagster/will_retry": "false"}) is True
+    assert should_alert_run_failure({"redrive/dead_lettered": "true"}) is False
+    assert should_alert_run_failure({"redrive/deferred": "true"}) is False
+
+
+def test_run_that_dagster_will_retry_is_not_posted(defs, sandbox) -> None:
+    """With run retries on, Dagster tags the failed run `dagster/will_retry=true`; the sensor stays silent."""
+    with dg.instance_for_test(overrides={"run_retries": {"enabled": True, "max_retries": 2}}) as instance:
+        result = defs.resolve_job_def("rehearsal_job").execute_in_process(
+            run_config=rehearsal.run_config("no-such-request", {}), instance=instance, raise_on_error=False,
+            tags={"dagster/max_retries": "2"})
+        assert instance.get_run_by_id(result.run_id).tags.get("dagster/will_retry") == "true"
+        evaluate_failure_sensor(defs, instance, result.run_id)
+    assert sandbox.count("slack.message") == 0
