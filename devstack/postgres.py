@@ -21,9 +21,33 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EmbeddedPostgres:
+    """One server per data folder, shared by every process that `start`s it.
+
+    Users are counted in a pid file under a lock: the last one to `stop` stops the
+    server, and pids of processes that died without stopping are pruned, so two test
+    sessions (or the demo and a CLI call) never pull the server from under each other.
+    """
+
     data_dir: Path
     started_here: bool = False
     _server: object | None = None
+
+    @property
+    def _users_file(self) -> Path:
+        return self.data_dir.parent / f".{self.data_dir.name}.users.json"
+
+    def _update_users(self, change: int) -> list[int]:
+        import fasteners
+        import psutil
+
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        with fasteners.InterProcessLock(str(self._users_file) + ".lock"):
+            users = json.loads(self._users_file.read_text()) if self._users_file.exists() else []
+            users = [p for p in users if p != os.getpid() and psutil.pid_exists(p)]
+            if change > 0:
+                users.append(os.getpid())
+            self._users_file.write_text(json.dumps(users))
+            return users
 
     @property
     def pgdata(self) -> Path:
@@ -35,6 +59,7 @@ class EmbeddedPostgres:
         from pgserver.utils import PostmasterInfo
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._update_users(+1)
         before = PostmasterInfo.read_from_pgdata(self.data_dir)
         already_running = before is not None and before.is_running()
         with warnings.catch_warnings():
@@ -48,9 +73,12 @@ class EmbeddedPostgres:
         return f"postgresql+psycopg2://postgres@/{database}?host={info.socket_dir}"
 
     def stop(self) -> None:
-        """Stop the server; also clears pgserver's handle list so a later start is clean."""
+        """Leave the server; the last user stops it (and clears pgserver's handle list)."""
         from pgserver import _commands
         from pgserver.utils import PostmasterInfo
+
+        if self._update_users(-1):
+            return  # another live process still uses it
 
         info = PostmasterInfo.read_from_pgdata(self.data_dir)
         if info is not None and info.is_running():

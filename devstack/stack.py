@@ -120,5 +120,5 @@ def local_stack(purpose: str = "dev", *, migrate: bool = True) -> Iterator[Stack
     finally:
         for child in reversed(children):
             child.stop()
-        if stack.postgres is not None and stack.postgres.started_here:
+        if stack.postgres is not None:
             stack.postgres.stop()

@@ -5,38 +5,41 @@ from __future__ import annotations
 import dagster as dg
 
 from assets.healthcheck import stack_healthcheck
-from assets.rehearsal import pipeline as rehearsal
-from orchestration.jobs import JOBS
+from orchestration.jobs import healthcheck_job
+from orchestration.registry import load_pipelines
 from redrive import logs
 from redrive.settings import Settings
 from resources.factory import build_resources
 from sensors.core import (
-    ReplayTarget,
     alert_delivery_sensor,
     dead_letter_replay_sensor,
     deferred_retry_sensor,
     run_failure_alert_sensor,
 )
 
-REPLAY_TARGETS = {
-    rehearsal.PIPELINE: ReplayTarget(job=rehearsal.rehearsal_job, run_config=rehearsal.run_config),
-}
-
 
 def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     """Build everything from settings read now, never at import time of a module."""
     settings = settings or Settings()
     logs.install()
+    pipelines = load_pipelines(settings)
+    replay_targets = {k: v for p in pipelines for k, v in p.replay_targets.items()}
+    resources = build_resources(settings)
+    for p in pipelines:
+        resources.update(p.resources)
     return dg.Definitions(
-        assets=[stack_healthcheck],
-        jobs=JOBS,
+        assets=[stack_healthcheck, *[a for p in pipelines for a in p.assets]],
+        asset_checks=[c for p in pipelines for c in p.asset_checks],
+        jobs=[healthcheck_job, *[j for p in pipelines for j in p.jobs]],
+        schedules=[s for p in pipelines for s in p.schedules],
         sensors=[
             alert_delivery_sensor(),
             run_failure_alert_sensor(),
-            dead_letter_replay_sensor(REPLAY_TARGETS),
-            *[deferred_retry_sensor(name, target) for name, target in REPLAY_TARGETS.items()],
+            dead_letter_replay_sensor(replay_targets),
+            *[deferred_retry_sensor(name, target) for name, target in replay_targets.items()],
+            *[s for p in pipelines for s in p.sensors],
         ],
-        resources=build_resources(settings),
+        resources=resources,
     )
 
 

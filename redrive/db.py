@@ -49,7 +49,8 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade_head(url: str) -> None:
-    command.upgrade(alembic_config(url), "head")
+    """Every branch to its head: the core and each pipeline's schema are branches of their own."""
+    command.upgrade(alembic_config(url), "heads")
 
 
 def downgrade_base(url: str) -> None:
@@ -73,5 +74,4 @@ def database_session(settings: Settings) -> Iterator[str]:
         yield url
     finally:
         engine_for.cache_clear()
-        if pg.started_here:
-            pg.stop()
+        pg.stop()

@@ -146,7 +146,10 @@ healthchecks = sa.Table(
 )
 
 # Modules that add a pipeline's tables to `metadata`; migrations/env.py imports them all.
-PIPELINE_SCHEMAS: tuple[str, ...] = ("assets.rehearsal.repository",)
+# Each pipeline's migrations are an Alembic branch of their own off the core (`upgrade heads`).
+PIPELINE_SCHEMAS: tuple[str, ...] = (
+    "assets.rehearsal.repository",
+)
 
 
 def all_metadata() -> sa.MetaData:

@@ -7,7 +7,7 @@ import sqlalchemy as sa
 from assets.rehearsal import pipeline as rehearsal
 from orchestration.definitions import build_definitions
 from redrive.schema import deferred_attempts
-from tests.core_dagster.helpers import launch, tick
+from tests.dagster_helpers import launch, tick
 
 
 def test_wait_over_threshold_becomes_timer_and_sensor_resumes(scaled_settings, instance, engine, sandbox,

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from assets.rehearsal import pipeline as rehearsal
 from redrive.cli import app
 from redrive.schema import dead_letters
-from tests.core_dagster.helpers import launch, tick
+from tests.dagster_helpers import launch, tick
 
 
 def cli(db_url: str, *args: str):

@@ -11,7 +11,7 @@ from assets.rehearsal import pipeline as rehearsal
 from redrive.backoff import FullJitter
 from redrive.reliability import Reliability
 from redrive.schema import dead_letters
-from tests.core_dagster.conftest import TIME_SCALE
+from tests.conftest import TIME_SCALE
 
 
 def retry_waits(instance: dg.DagsterInstance, run_id: str, step: str) -> list[float]:

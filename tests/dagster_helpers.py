@@ -6,7 +6,7 @@ import dagster as dg
 
 
 def tick(defs: dg.Definitions, instance: dg.DagsterInstance, sensor_name: str) -> list[dg.RunRequest]:
-    sensor = defs.get_sensor_def(sensor_name)
+    sensor = defs.resolve_sensor_def(sensor_name)
     with dg.build_sensor_context(instance=instance, resources=defs.resources, sensor_name=sensor_name) as context:
         return list(sensor.evaluate_tick(context).run_requests or [])
 
