@@ -55,16 +55,16 @@ class EmbeddedPostgres:
 
     def start(self) -> str:
         """Start (or join) the server and return a psycopg2 URL to its `postgres` database."""
-        import pgserver
-        from pgserver.utils import PostmasterInfo
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # platformdirs: XDG_RUNTIME_DIR unset on CI
+            import pgserver
+            from pgserver.utils import PostmasterInfo
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._update_users(+1)
         before = PostmasterInfo.read_from_pgdata(self.data_dir)
         already_running = before is not None and before.is_running()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # platformdirs: XDG_RUNTIME_DIR unset on CI
-            self._server = pgserver.get_server(self.data_dir, cleanup_mode=None)
+        self._server = pgserver.get_server(self.data_dir, cleanup_mode=None)
         self.started_here = not already_running
         return self.url("postgres")
 

@@ -30,6 +30,11 @@ class PipelineDefs:
 # Modules with a `pipeline_defs(settings)` function, in seed order.
 PIPELINES: tuple[str, ...] = (
     "assets.rehearsal.definitions",
+    "assets.matching.definitions",
+    "assets.matchmaking.definitions",
+    "assets.criticizer.definitions",
+    "assets.review_notifications.definitions",
+    "assets.conversion.definitions",
 )
 
 

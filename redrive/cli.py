@@ -221,8 +221,9 @@ def main() -> None:  # pragma: no cover - console entry
     logs.install()
     try:
         app()
-    except Exception as exc:  # noqa: BLE001 - one line for operators, never a stack trace
-        from redrive.sanitize import sanitize_text
+    except Exception as exc:  # noqa: BLE001 - one canonical line for operators, never a stack trace
+        from redrive.failures import classify_exception
 
-        typer.echo(f"error: {sanitize_text(type(exc).__name__ + ': ' + str(exc))[:300]}", err=True)
+        failure = classify_exception(exc)
+        typer.echo(f"error: {failure.code}: {failure.message}", err=True)
         sys.exit(1)

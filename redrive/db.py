@@ -35,10 +35,17 @@ def normalize_url(url: str) -> str:
     return url
 
 
-@lru_cache(maxsize=16)
 def engine_for(url: str) -> sa.Engine:
-    """One pooled engine per URL per process; pre-ping so a restarted server costs one retry, not a failure."""
-    return sa.create_engine(normalize_url(url), pool_pre_ping=True, pool_size=5, max_overflow=10)
+    """One pooled engine per database per process; pre-ping so a restarted server costs one retry, not a failure."""
+    return _engine(normalize_url(url))
+
+
+@lru_cache(maxsize=64)
+def _engine(url: str) -> sa.Engine:
+    return sa.create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+
+
+engine_for.cache_clear = _engine.cache_clear  # type: ignore[attr-defined]
 
 
 def alembic_config(url: str) -> Config:

@@ -149,6 +149,12 @@ healthchecks = sa.Table(
 # Each pipeline's migrations are an Alembic branch of their own off the core (`upgrade heads`).
 PIPELINE_SCHEMAS: tuple[str, ...] = (
     "assets.rehearsal.repository",
+    "assets.matching.repository",
+    "assets.matchmaking.repository",
+    "assets.criticizer.repository",
+    "assets.review_notifications.repository",
+    "redrive.breaker",
+    "assets.conversion.repository",
 )
 
 

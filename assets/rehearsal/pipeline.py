@@ -73,7 +73,7 @@ def staged(
     return output
 
 
-@dg.op(out=dg.Out(dict, is_required=False))
+@dg.op(name="rehearsal_fetch", out=dg.Out(dict, is_required=False))
 def fetch(context: dg.OpExecutionContext, config: RehearsalConfig, reliability: ReliabilityResource,
           artifact_store: ArtifactStoreResource):
     """Download the artifact from the store (the sandbox locally)."""
@@ -93,7 +93,7 @@ def fetch(context: dg.OpExecutionContext, config: RehearsalConfig, reliability: 
         yield dg.Output(output)
 
 
-@dg.op
+@dg.op(name="rehearsal_ask")
 def ask(context: dg.OpExecutionContext, config: RehearsalConfig, reliability: ReliabilityResource,
         llm: LlmResource, fetched: dict) -> None:
     """Ask the LLM for a verdict on the artifact; completing closes the request's dead letter."""
@@ -121,4 +121,4 @@ def rehearsal_job() -> None:
 def run_config(request_id: str, extra: dict[str, Any]) -> dict[str, Any]:
     allowed = {k: v for k, v in extra.items() if k in RehearsalConfig.model_fields}
     cfg = {"request_id": request_id, **allowed}
-    return {"ops": {"fetch": {"config": cfg}, "ask": {"config": cfg}}}
+    return {"ops": {"rehearsal_fetch": {"config": cfg}, "rehearsal_ask": {"config": cfg}}}

@@ -38,7 +38,7 @@ def test_429_then_503_then_401_retries_twice_and_dead_letters_once(defs, instanc
                                     raise_on_error=False)
     assert not result.success
 
-    waits = retry_waits(instance, result.run_id, "ask")
+    waits = retry_waits(instance, result.run_id, "rehearsal_ask")
     assert waits == [expected_wait(1, 3.0), expected_wait(2, None)]
     assert waits[0] == 3.0 * TIME_SCALE  # max(full jitter ≤ 1 s, Retry-After 3 s)
     assert 0 <= waits[1] <= 2.0 * TIME_SCALE
@@ -69,8 +69,8 @@ def test_budget_exhaustion_dead_letters_after_five_attempts(defs, instance, engi
     result = job.execute_in_process(run_config=rehearsal.run_config(rehearsal_request, {}), instance=instance,
                                     raise_on_error=False)
     assert not result.success
-    assert len(retry_waits(instance, result.run_id, "ask")) == 4
-    assert retry_waits(instance, result.run_id, "fetch") == []
+    assert len(retry_waits(instance, result.run_id, "rehearsal_ask")) == 4
+    assert retry_waits(instance, result.run_id, "rehearsal_fetch") == []
     with engine.connect() as conn:
         letter = conn.execute(sa.select(dead_letters)).one()
     assert letter.error_class == "UPSTREAM_UNAVAILABLE" and letter.retryable is True

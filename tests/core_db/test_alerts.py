@@ -113,3 +113,14 @@ def test_render_carries_entity_tenant_error_attempts_and_link() -> None:
                               "attempts": 3, "link": "http://dagster/runs/abc"}])
     for part in ("doc-7", "acme", "AUTH_DENIED", "attempts: 3", "http://dagster/runs/abc"):
         assert part in text
+
+
+def test_slack_web_api_channel_posts_through_dagster_slack(engine, sandbox) -> None:
+    """With a bot token, alerts go through dagster-slack's resource (with a base URL) to chat.postMessage."""
+    clock = FrozenClock(START)
+    channels = NotifierResource(slack_bot_token="xoxb-test-token", slack_channel="#ops",
+                                slack_api_base_url=f"{os.environ['SANDBOX_URL']}/slack/api/").channels()
+    Reliability(engine=engine, channels=channels, clock=clock).fail_for_good(final("art-9", clock))
+    [message] = sandbox.effects("slack.message")
+    assert message["channel"] == "#ops" and "art-9" in message["payload"]["text"]
+    assert "xoxb-test-token" not in str(message)

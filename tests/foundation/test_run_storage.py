@@ -7,7 +7,7 @@ from dagster import instance_for_test
 
 from devstack.postgres import create_database, drop_database, with_database
 from orchestration.definitions import build_definitions
-from redrive.db import engine_for
+from redrive.db import engine_for, normalize_url
 from redrive.settings import Settings
 
 
@@ -16,7 +16,7 @@ def test_healthcheck_run_is_stored_in_postgres(admin_url: str, settings: Setting
     name = "redrive_dagster_storage_test"
     drop_database(admin_url, name)
     create_database(admin_url, name)
-    dagster_url = with_database(admin_url, name)
+    dagster_url = normalize_url(with_database(admin_url, name))
     assert dagster_url.startswith("postgresql+psycopg2://")
     try:
         with instance_for_test(overrides={"storage": {"postgres": {"postgres_url": dagster_url}}}) as instance:

@@ -1,0 +1,102 @@
+"""Uploaded PDFs and XML results on disk (003 §7 UPLOADS_DIR, RESULTS_DIR), written atomically.
+
+Locations stored in the database are relative to these folders, so no server path ever reaches a
+user, a log line or a dead letter, and the folders can move. A result is staged under a temporary
+name and published with ``os.replace`` (atomic on POSIX) while the fenced completion holds the row
+lock: a reader sees no result or the whole result, and one job has exactly one result file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_ID = re.compile(r"^[0-9a-f-]{36}$")
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, data: bytes, tmp: Path) -> None:
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A result written under a temporary name, not yet visible."""
+
+    tmp: Path
+    final: Path
+    location: str
+
+
+@dataclass(frozen=True)
+class FileStore:
+    uploads: Path
+    results: Path
+
+    def __post_init__(self) -> None:
+        self.uploads.mkdir(parents=True, exist_ok=True)
+        self.results.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def _checked(job_id: str) -> str:
+        if not _ID.match(job_id):  # ids are UUIDs; anything else must never become a path
+            raise ValueError("not a job id")
+        return job_id
+
+    # -- sources --------------------------------------------------------------------------------------
+
+    def save_source(self, job_id: str, pdf: bytes) -> str:
+        name = f"{self._checked(job_id)}.pdf"
+        _write_atomically(self.uploads / name, pdf, self.uploads / f".{name}.{os.getpid()}.tmp")
+        return name
+
+    def source_path(self, location: str) -> Path:
+        return self.uploads / Path(location).name
+
+    def source_present(self, location: str) -> bool:
+        return self.source_path(location).is_file()
+
+    def read_source(self, location: str) -> bytes:
+        return self.source_path(location).read_bytes()
+
+    def delete_source(self, location: str) -> None:
+        self.source_path(location).unlink(missing_ok=True)
+
+    # -- results --------------------------------------------------------------------------------------
+
+    def stage_result(self, job_id: str, epoch: int, xml: bytes) -> Staged:
+        """Write the XML under a name of this lease's own; nothing is visible until :meth:`publish`."""
+        name = f"{self._checked(job_id)}.xml"
+        tmp = self.results / f".{name}.e{epoch}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(xml)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return Staged(tmp, self.results / name, name)
+
+    def publish(self, staged: Staged) -> None:
+        os.replace(staged.tmp, staged.final)
+        _fsync_dir(staged.final.parent)
+
+    def discard(self, staged: Staged) -> None:
+        staged.tmp.unlink(missing_ok=True)
+
+    def result_path(self, location: str) -> Path:
+        return self.results / Path(location).name
+
+    def result_present(self, location: str | None) -> bool:
+        return bool(location) and self.result_path(location).is_file()  # type: ignore[arg-type]

@@ -1,0 +1,477 @@
+"""All SQL of a conversion job: its row, its events (003 §3.7) and the API tokens of its owners.
+
+Every write a worker makes on a job it leased is fenced: the claim hands out a lease epoch (a
+fencing token) and ``complete``/``schedule_retry``/``fail``/``extend``/``requeue`` only change the
+row ``WHERE id = :id AND lease_epoch = :epoch AND status = 'processing'``. A worker whose lease
+expired and was reclaimed gets ``False`` back and changes nothing (Kleppmann's fencing tokens;
+none of the Postgres queues we compare with have them). Lease expiry thus only decides *liveness*
+(when a job is taken over), never *safety*: two workers cannot both finish one job.
+
+Times come from the caller's clock as ``:now`` (STYLE §8). The claim and complete statements are
+plain SQL constants because the benchmark hands the very same text to pgbench.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+
+from redrive.schema import NOW, TZ, metadata
+from redrive.vocabularies import CONVERSION_PUBLIC_CODES
+
+EVENTS = ("queued", "processing", "retry", "complete", "failed", "expired", "fenced")
+"""003 §3.7's events, plus ``fenced``: a late write of a worker that had lost its lease, refused."""
+
+_codes = ", ".join(f"'{c}'" for c in sorted(CONVERSION_PUBLIC_CODES))
+
+conversion_jobs = sa.Table(
+    "conversion_jobs",
+    metadata,
+    sa.Column("id", UUID(as_uuid=False), primary_key=True, server_default=sa.text("gen_random_uuid()")),
+    sa.Column("owner", sa.Text, nullable=False),
+    sa.Column("filename", sa.Text, nullable=False),
+    sa.Column("source_location", sa.Text, nullable=False),  # relative to UPLOADS_DIR; never shown
+    sa.Column("source_bytes", sa.BigInteger, nullable=False),
+    sa.Column("source_sha256", sa.Text, nullable=False),
+    sa.Column("result_location", sa.Text),  # relative to RESULTS_DIR
+    sa.Column("status", sa.Text, nullable=False, server_default="queued"),
+    sa.Column("attempt_count", sa.Integer, nullable=False, server_default="0"),  # attemptCount
+    sa.Column("last_attempt_at", TZ),  # lastAttemptAt
+    sa.Column("retry_after", TZ),  # retryAfter
+    sa.Column("leased_by", sa.Text),
+    sa.Column("lease_expires_at", TZ),
+    sa.Column("lease_epoch", sa.BigInteger, nullable=False, server_default="0"),  # the fencing token
+    sa.Column("started_at", TZ),
+    sa.Column("queued_at", TZ, nullable=False, server_default=NOW),  # queuedAt
+    sa.Column("completed_at", TZ),
+    sa.Column("error_code", sa.Text),
+    sa.Column("error_message", sa.Text),
+    sa.Column("dead_letter", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("created_at", TZ, nullable=False, server_default=NOW),
+    sa.Column("updated_at", TZ, nullable=False, server_default=NOW),
+    sa.CheckConstraint("status IN ('queued', 'processing', 'succeeded', 'failed')", name="status"),
+    sa.CheckConstraint(f"error_code IS NULL OR error_code IN ({_codes})", name="canonical_error_code"),
+    sa.CheckConstraint("status <> 'processing' OR (leased_by IS NOT NULL AND lease_expires_at IS NOT NULL)",
+                       name="processing_is_leased"),
+    sa.CheckConstraint("status <> 'succeeded' OR result_location IS NOT NULL", name="succeeded_has_result"),
+    sa.CheckConstraint("attempt_count >= 0", name="attempt_count"),
+    sa.Index("ix_conversion_jobs_status_retry_after", "status", "retry_after"),  # 003 §3.2
+    sa.Index("ix_conversion_jobs_queued_created", "created_at", postgresql_where=sa.text("status = 'queued'")),
+    sa.Index("ix_conversion_jobs_lease", "lease_expires_at", postgresql_where=sa.text("status = 'processing'")),
+    sa.Index("ix_conversion_jobs_owner_created", "owner", "created_at"),
+)
+
+conversion_job_events = sa.Table(
+    "conversion_job_events",  # 003 §3.7 `job_events`, named after its pipeline in the shared schema
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("job_id", UUID(as_uuid=False), sa.ForeignKey("conversion_jobs.id", ondelete="CASCADE"),
+              nullable=False),
+    sa.Column("event", sa.Text, nullable=False),
+    sa.Column("attempt", sa.Integer),
+    sa.Column("at", TZ, nullable=False),
+    sa.Column("meta", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.CheckConstraint(
+        "event IN ('queued', 'processing', 'retry', 'complete', 'failed', 'expired', 'fenced')", name="event"),
+    sa.Index("ix_conversion_job_events_job_id_id", "job_id", "id"),
+    sa.Index("ix_conversion_job_events_event_at", "event", "at"),
+)
+
+conversion_api_tokens = sa.Table(
+    "conversion_api_tokens",
+    metadata,
+    sa.Column("token_sha256", sa.Text, primary_key=True),  # only the hash is kept
+    sa.Column("owner", sa.Text, nullable=False),
+    sa.Column("label", sa.Text),
+    sa.Column("created_at", TZ, nullable=False, server_default=NOW),
+    sa.Column("revoked_at", TZ),
+)
+
+# ------------------------------------------------------------------------------------------ records
+
+
+@dataclass(frozen=True)
+class Job:
+    id: str
+    owner: str
+    filename: str
+    source_location: str
+    source_bytes: int
+    source_sha256: str
+    result_location: str | None
+    status: str
+    attempt_count: int
+    last_attempt_at: datetime | None
+    retry_after: datetime | None
+    leased_by: str | None
+    lease_expires_at: datetime | None
+    lease_epoch: int
+    started_at: datetime | None
+    queued_at: datetime
+    completed_at: datetime | None
+    error_code: str | None
+    error_message: str | None
+    dead_letter: bool
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def from_row(cls, row: sa.Row[Any]) -> Job:
+        m = row._mapping
+        return cls(**{f: m[f] for f in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What a claim hands the worker: the job and the fencing token every later write must present."""
+
+    job_id: str
+    epoch: int
+    attempt: int
+    source_location: str
+    owner: str
+    worker: str
+    has_dead_letter: bool = False  # a retried or replayed job: completing it closes its dead letter
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    job_id: str
+    leased_by: str | None
+    epoch: int
+    attempt: int
+    outcome: str  # "requeue" | "fail"
+
+
+@dataclass(frozen=True)
+class NewJob:
+    id: str
+    owner: str
+    filename: str
+    source_location: str
+    source_bytes: int
+    source_sha256: str
+
+
+def _meta(values: Mapping[str, Any]) -> str:
+    return json.dumps({k: v for k, v in values.items() if v is not None}, sort_keys=True, default=str)
+
+
+def _event(conn: sa.Connection, job_id: str, event: str, attempt: int | None, at: datetime,
+           meta: Mapping[str, Any]) -> None:
+    conn.execute(sa.insert(conversion_job_events).values(job_id=job_id, event=event, attempt=attempt, at=at,
+                                                         meta=json.loads(_meta(meta))))
+
+
+# -------------------------------------------------------------------------------------------- create
+
+
+def create(conn: sa.Connection, job: NewJob, now: datetime) -> Job:
+    row = conn.execute(
+        sa.insert(conversion_jobs)
+        .values(id=job.id, owner=job.owner, filename=job.filename, source_location=job.source_location,
+                source_bytes=job.source_bytes, source_sha256=job.source_sha256, status="queued",
+                queued_at=now, created_at=now, updated_at=now)
+        .returning(*conversion_jobs.c)
+    ).one()
+    _event(conn, job.id, "queued", 0, now, {"reason": "upload"})
+    return Job.from_row(row)
+
+
+def get(conn: sa.Connection, job_id: str, owner: str | None = None) -> Job | None:
+    """The job, or None when it does not exist or (with ``owner``) belongs to someone else."""
+    q = sa.select(conversion_jobs).where(conversion_jobs.c.id == job_id)
+    if owner is not None:
+        q = q.where(conversion_jobs.c.owner == owner)
+    row = conn.execute(q).first()
+    return Job.from_row(row) if row else None
+
+
+def list_for(conn: sa.Connection, owner: str, limit: int = 100) -> list[Job]:
+    rows = conn.execute(
+        sa.select(conversion_jobs)
+        .where(conversion_jobs.c.owner == owner)
+        .order_by(conversion_jobs.c.created_at.desc(), conversion_jobs.c.id)
+        .limit(limit)
+    )
+    return [Job.from_row(r) for r in rows]
+
+
+def events(conn: sa.Connection, job_id: str) -> list[dict[str, Any]]:
+    rows = conn.execute(
+        sa.select(conversion_job_events).where(conversion_job_events.c.job_id == job_id)
+        .order_by(conversion_job_events.c.id)
+    )
+    return [dict(r._mapping) for r in rows]
+
+
+# ------------------------------------------------------------------------------------- worker: claim
+
+# 003 §3.4: a short transaction (one statement) from `queued` where retryAfter is null or due, oldest
+# first, FOR UPDATE SKIP LOCKED; the claim bumps the lease epoch and logs the `processing` event.
+CLAIM_SQL = """\
+WITH candidate AS (
+    SELECT id FROM conversion_jobs
+    WHERE status = 'queued' AND (retry_after IS NULL OR retry_after <= :now)
+    ORDER BY created_at, id
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE conversion_jobs AS j
+    SET status = 'processing', leased_by = :worker, lease_expires_at = :lease_expires_at,
+        lease_epoch = j.lease_epoch + 1, started_at = COALESCE(j.started_at, :now),
+        attempt_count = j.attempt_count + 1, last_attempt_at = :now, updated_at = :now
+    FROM candidate
+    WHERE j.id = candidate.id
+    RETURNING j.id, j.lease_epoch AS epoch, j.attempt_count AS attempt, j.source_location, j.owner
+), logged AS (
+    INSERT INTO conversion_job_events (job_id, event, attempt, at, meta)
+    SELECT id, 'processing', attempt, :now, jsonb_build_object('worker', CAST(:worker AS text), 'epoch', epoch)
+    FROM claimed
+)
+SELECT c.id, c.epoch, c.attempt, c.source_location, c.owner,
+       EXISTS (SELECT 1 FROM dead_letters AS d WHERE d.pipeline = 'conversion'
+               AND d.entity_ref = CAST(c.id AS text) AND d.status <> 'resolved') AS has_dead_letter
+FROM claimed AS c"""
+
+# Fenced completion; the caller publishes the result file between this statement and COMMIT, while
+# the row lock keeps a reclaim away, so the file and the row agree.
+COMPLETE_SQL = """\
+WITH done AS (
+    UPDATE conversion_jobs
+    SET status = 'succeeded', result_location = :result_location, completed_at = :now, updated_at = :now,
+        leased_by = NULL, lease_expires_at = NULL, retry_after = NULL,
+        error_code = NULL, error_message = NULL, dead_letter = false
+    WHERE id = :id AND lease_epoch = :epoch AND status = 'processing'
+    RETURNING id, attempt_count
+), logged AS (
+    INSERT INTO conversion_job_events (job_id, event, attempt, at, meta)
+    SELECT id, 'complete', attempt_count, :now, CAST(:meta AS jsonb) FROM done
+)
+SELECT id FROM done"""
+
+
+def claim(conn: sa.Connection, worker: str, now: datetime, lease_ttl: float) -> Lease | None:
+    row = conn.execute(
+        sa.text(CLAIM_SQL),
+        {"now": now, "worker": worker, "lease_expires_at": now + timedelta(seconds=lease_ttl)},
+    ).first()
+    if row is None:
+        return None
+    return Lease(str(row.id), row.epoch, row.attempt, row.source_location, row.owner, worker, row.has_dead_letter)
+
+
+def complete(conn: sa.Connection, lease: Lease, result_location: str, now: datetime,
+             meta: Mapping[str, Any]) -> bool:
+    """Fenced: True when this lease still held the job and it is now ``succeeded``."""
+    row = conn.execute(
+        sa.text(COMPLETE_SQL),
+        {"id": lease.job_id, "epoch": lease.epoch, "now": now, "result_location": result_location,
+         "meta": _meta(meta)},
+    ).first()
+    return row is not None
+
+
+def _fenced_update(conn: sa.Connection, lease: Lease, **values: Any) -> bool:
+    row = conn.execute(
+        sa.update(conversion_jobs)
+        .where(conversion_jobs.c.id == lease.job_id, conversion_jobs.c.lease_epoch == lease.epoch,
+               conversion_jobs.c.status == "processing")
+        .values(**values)
+        .returning(conversion_jobs.c.id)
+    ).first()
+    return row is not None
+
+
+def extend(conn: sa.Connection, lease: Lease, now: datetime, lease_ttl: float) -> bool:
+    """003 §3.5 lease extension; fenced, so a worker that lost the job cannot take it back."""
+    return _fenced_update(conn, lease, lease_expires_at=now + timedelta(seconds=lease_ttl), updated_at=now)
+
+
+def schedule_retry(conn: sa.Connection, lease: Lease, code: str, message: str, retry_after: datetime,
+                   now: datetime, meta: Mapping[str, Any]) -> bool:
+    """003 §3.2: back to ``queued`` with ``retryAfter``, lease cleared; the last error stays visible."""
+    ok = _fenced_update(conn, lease, status="queued", retry_after=retry_after, leased_by=None,
+                        lease_expires_at=None, error_code=code, error_message=message, updated_at=now)
+    if ok:
+        _event(conn, lease.job_id, "retry", lease.attempt, now,
+               {**meta, "error_code": code, "retry_after": retry_after.isoformat()})
+    return ok
+
+
+def fail(conn: sa.Connection, lease: Lease, code: str, message: str, now: datetime,
+         meta: Mapping[str, Any]) -> bool:
+    """Failed for good: ``failed`` with the canonical code and the dead-letter mark."""
+    ok = _fenced_update(conn, lease, status="failed", retry_after=None, leased_by=None, lease_expires_at=None,
+                        error_code=code, error_message=message, dead_letter=True, updated_at=now)
+    if ok:
+        _event(conn, lease.job_id, "failed", lease.attempt, now, {**meta, "error_code": code})
+    return ok
+
+
+def requeue(conn: sa.Connection, lease: Lease, now: datetime, reason: str) -> bool:
+    """003 §3.5 clean requeue on shutdown: ``queued``, lease cleared, and the unfinished attempt given back."""
+    ok = _fenced_update(conn, lease, status="queued", leased_by=None, lease_expires_at=None, retry_after=None,
+                        attempt_count=sa.func.greatest(conversion_jobs.c.attempt_count - 1, 0), updated_at=now)
+    if ok:
+        _event(conn, lease.job_id, "queued", lease.attempt - 1, now, {"reason": reason, "worker": lease.worker})
+    return ok
+
+
+def record_fenced(conn: sa.Connection, lease: Lease, write: str, now: datetime) -> None:
+    """Count a refused late write (the job's current holder and epoch are in the row, the loser's here)."""
+    _event(conn, lease.job_id, "fenced", lease.attempt, now,
+           {"write": write, "worker": lease.worker, "epoch": lease.epoch})
+
+
+# ----------------------------------------------------------------------------------- worker: reclaim
+
+
+def reclaim_expired(conn: sa.Connection, now: datetime, max_attempts: int, limit: int = 100) -> list[Reclaimed]:
+    """003 §3.4 reclaim: ``processing`` rows whose lease expired go back to ``queued`` (leased_by cleared).
+
+    Locked rows are skipped (their holder is writing right now, so the lease is not dead). A lease
+    lost on the job's last attempt fails the job instead (:func:`assets.conversion.policy.reclaim_outcome`);
+    the caller dead-letters those.
+    """
+    rows = conn.execute(
+        sa.text("""\
+WITH expired AS (
+    SELECT id, leased_by, lease_epoch, attempt_count FROM conversion_jobs
+    WHERE status = 'processing' AND lease_expires_at < :now
+    ORDER BY lease_expires_at
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+), moved AS (
+    UPDATE conversion_jobs AS j
+    SET status = CASE WHEN e.attempt_count >= :max_attempts THEN 'failed' ELSE 'queued' END,
+        error_code = CASE WHEN e.attempt_count >= :max_attempts THEN 'UNKNOWN' ELSE j.error_code END,
+        error_message = CASE WHEN e.attempt_count >= :max_attempts THEN :lost_message ELSE j.error_message END,
+        dead_letter = (e.attempt_count >= :max_attempts),
+        leased_by = NULL, lease_expires_at = NULL, updated_at = :now
+    FROM expired AS e
+    WHERE j.id = e.id
+    RETURNING j.id, e.leased_by, e.lease_epoch, e.attempt_count, j.status
+), logged AS (
+    INSERT INTO conversion_job_events (job_id, event, attempt, at, meta)
+    SELECT id, CASE WHEN status = 'failed' THEN 'failed' ELSE 'expired' END, attempt_count, :now,
+           jsonb_build_object('leased_by', leased_by, 'epoch', lease_epoch, 'reason', 'lease_expired')
+    FROM moved
+)
+SELECT id, leased_by, lease_epoch, attempt_count, status FROM moved"""),
+        {"now": now, "max_attempts": max_attempts, "limit": limit,
+         "lost_message": "the worker was lost on every attempt (lease expired)"},
+    )
+    return [Reclaimed(str(r.id), r.leased_by, r.lease_epoch, r.attempt_count,
+                      "fail" if r.status == "failed" else "requeue") for r in rows]
+
+
+# --------------------------------------------------------------------------------------- manual retry
+
+
+@dataclass(frozen=True)
+class RetryRefused(Exception):
+    """003 §3.6 preconditions: ``code`` is the canonical API code, ``status`` the HTTP status."""
+
+    code: str
+    message: str
+    status: int
+
+
+def manual_retry(conn: sa.Connection, job_id: str, owner: str | None, now: datetime,
+                 source_present: bool, reason: str = "manual_retry") -> Job:
+    """003 §3.6: a ``failed`` job whose source still exists goes back to ``queued`` with a fresh budget.
+
+    Scoped to ``owner`` (None: an operator's replay): another owner's job is refused exactly like a
+    missing one. Error fields reset, attemptCount zeroed, queuedAt/updated_at bumped.
+    """
+    job = get(conn, job_id, owner)
+    if job is None:
+        raise RetryRefused("FORBIDDEN", "job not found", 404)
+    if job.status != "failed":
+        raise RetryRefused("NOT_READY", f"only failed jobs can be retried; this one is {job.status}", 409)
+    if not source_present:
+        raise RetryRefused("EXPIRED", "the uploaded PDF is no longer stored; upload it again", 410)
+    row = conn.execute(
+        sa.update(conversion_jobs)
+        .where(conversion_jobs.c.id == job_id, conversion_jobs.c.status == "failed")
+        .values(status="queued", attempt_count=0, error_code=None, error_message=None, retry_after=None,
+                dead_letter=False, queued_at=now, updated_at=now)
+        .returning(*conversion_jobs.c)
+    ).first()
+    if row is None:  # someone else retried it between our read and this write
+        raise RetryRefused("NOT_READY", "the job is already queued again", 409)
+    _event(conn, job_id, "queued", 0, now, {"reason": reason})
+    return Job.from_row(row)
+
+
+# ------------------------------------------------------------------------------------- queue & stats
+
+
+def due_count(conn: sa.Connection, now: datetime) -> int:
+    return int(conn.execute(
+        sa.select(sa.func.count()).select_from(conversion_jobs).where(
+            conversion_jobs.c.status == "queued",
+            sa.or_(conversion_jobs.c.retry_after.is_(None), conversion_jobs.c.retry_after <= now),
+        )
+    ).scalar_one())
+
+
+def next_retry_at(conn: sa.Connection) -> datetime | None:
+    return conn.execute(
+        sa.select(sa.func.min(conversion_jobs.c.retry_after)).where(conversion_jobs.c.status == "queued")
+    ).scalar()
+
+
+def queue_depth(conn: sa.Connection, now: datetime) -> dict[str, int]:
+    """Jobs waiting (due now / scheduled for a retry) and in progress."""
+    row = conn.execute(sa.text("""\
+SELECT count(*) FILTER (WHERE status = 'queued' AND (retry_after IS NULL OR retry_after <= :now)) AS due,
+       count(*) FILTER (WHERE status = 'queued' AND retry_after > :now) AS scheduled,
+       count(*) FILTER (WHERE status = 'processing') AS processing
+FROM conversion_jobs WHERE status IN ('queued', 'processing')"""), {"now": now}).one()
+    return {"due": row.due, "scheduled": row.scheduled, "processing": row.processing}
+
+
+def event_counts(conn: sa.Connection) -> dict[tuple[str, str], int]:
+    """Events by (event, error code or reason): the counters /metrics exposes."""
+    rows = conn.execute(sa.text("""\
+SELECT event, COALESCE(meta->>'error_code', meta->>'reason', meta->>'write', '') AS label, count(*) AS n
+FROM conversion_job_events GROUP BY 1, 2"""))
+    return {(r.event, r.label): r.n for r in rows}
+
+
+def status_counts(conn: sa.Connection, ids: Sequence[str] | None = None) -> dict[str, int]:
+    q = sa.select(conversion_jobs.c.status, sa.func.count()).group_by(conversion_jobs.c.status)
+    if ids is not None:
+        q = q.where(conversion_jobs.c.id.in_(list(ids)))
+    return {status: n for status, n in conn.execute(q)}
+
+
+# -------------------------------------------------------------------------------------------- tokens
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def create_token(conn: sa.Connection, owner: str, label: str | None = None) -> str:
+    """A new API token for ``owner``; only its hash is stored, so this is the one time it is seen."""
+    token = f"rdc_{secrets.token_urlsafe(24)}"
+    conn.execute(sa.insert(conversion_api_tokens).values(token_sha256=token_hash(token), owner=owner, label=label))
+    return token
+
+
+def owner_for(conn: sa.Connection, token: str) -> str | None:
+    return conn.execute(
+        sa.select(conversion_api_tokens.c.owner).where(
+            conversion_api_tokens.c.token_sha256 == token_hash(token), conversion_api_tokens.c.revoked_at.is_(None))
+    ).scalar()

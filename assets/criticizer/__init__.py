@@ -1,0 +1,1 @@
+"""Criticizer (002 §8): fetch an artifact, ask the LLM for a structured critique, notify the requester."""

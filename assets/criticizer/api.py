@@ -1,0 +1,80 @@
+"""The criticizer's Python API: submit a critique request and read where it stands. No HTTP, no Dagster.
+
+    from assets.criticizer import api
+    submitted = api.submit(engine, {"artifact_url": ..., "rubric": ..., "webhook_url": ...,
+                                    "webhook_headers": {"Authorization": "Bearer …"}})
+
+A submitted request is a row; the `criticizer_new_requests` sensor turns it into a
+dynamic partition and a run. Submitting the same request again is a no-op that
+returns the same id; reusing an id for other content is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from assets.criticizer import policy, repository
+from assets.criticizer.policy import PIPELINE, CritiqueRequest, InvalidRequest
+from assets.criticizer.repository import RequestIdConflict, UnknownRequest
+from redrive import checkpoints, deadletters
+
+__all__ = ["InvalidRequest", "RequestIdConflict", "Status", "Submitted", "UnknownRequest", "status", "submit"]
+
+
+@dataclass(frozen=True)
+class Submitted:
+    request_id: str
+    created: bool  # False: the same request had been submitted before
+
+
+@dataclass(frozen=True)
+class Status:
+    """Where a request stands; never its rubric or header values."""
+
+    request_id: str
+    status: str  # submitted | processing | done | dead_lettered
+    completed_stages: tuple[str, ...]
+    stage_attempts: Mapping[str, int]
+    critique: Mapping[str, Any] | None
+    dead_letter_id: int | None
+    error_class: str | None
+    failed_stage: str | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {**self.__dict__, "completed_stages": list(self.completed_stages),
+                "stage_attempts": dict(self.stage_attempts)}
+
+
+def submit(engine: sa.Engine, request: Mapping[str, Any] | CritiqueRequest, *,
+           allowed_artifact_prefixes: Sequence[str] = ()) -> Submitted:
+    """Validate and store a request. Raises InvalidRequest (nothing stored) or RequestIdConflict."""
+    parsed = policy.parse_request(request)
+    if not policy.allowed_by(parsed.artifact_url, allowed_artifact_prefixes):
+        raise InvalidRequest(
+            "invalid critique request: artifact_url: not in an allowed store (" + ", ".join(allowed_artifact_prefixes) + ")"
+        )
+    with engine.begin() as conn:
+        created = repository.create(
+            conn, request_id=parsed.effective_id, tenant=parsed.tenant, artifact_url=parsed.artifact_url,
+            rubric=parsed.rubric, webhook_url=parsed.webhook_url, webhook_headers=parsed.webhook_headers,
+            fingerprint=parsed.fingerprint,
+        )
+    return Submitted(parsed.effective_id, created)
+
+
+def status(engine: sa.Engine, request_id: str) -> Status:
+    """The request's progress, its critique once done, and its active dead letter if any."""
+    with engine.connect() as conn:
+        row = repository.get(conn, request_id)
+        letter = deadletters.active_for(conn, PIPELINE, request_id)
+        done = tuple(s for s in policy.STAGES if checkpoints.load(conn, PIPELINE, request_id, s) is not None)
+    state = "dead_lettered" if letter is not None and row.status != repository.DONE else row.status
+    return Status(
+        request_id=row.request_id, status=state, completed_stages=done, stage_attempts=dict(row.stage_attempts),
+        critique=row.critique, dead_letter_id=letter.id if letter else None,
+        error_class=letter.error_class if letter else None, failed_stage=letter.stage if letter else None,
+    )

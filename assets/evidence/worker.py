@@ -1,0 +1,319 @@
+"""The evidence pipeline's work against the outside world: ingest a file job from S3, attach a row's
+evidence through the case API (004 §4, Option A), and send N1/N2 (§5). Dagster-free; ops call it.
+
+Per-artifact failures are data, not exceptions: each is classified by the core (`EVIDENCE`
+vocabulary), decided by the core's budget with `EVIDENCE_BACKOFF`, and written to the artifact;
+the next retry is its `next_retry_at`, which the scheduler sensor turns into an outbox event, so a
+60-minute wait never holds a run. Only what stops the whole row (the database, a bug) is raised,
+for the stage runner to retry the run step or dead-letter it.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import posixpath
+import zipfile
+from collections.abc import Iterable
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+import botocore.exceptions
+
+from assets.evidence import contracts, policy, service
+from assets.evidence import repository as repo
+from assets.evidence.settings import EvidenceOptions
+from redrive.deadletters import FinalFailure
+from redrive.failures import Code, Failure, PermanentError, classify_exception
+from redrive.reliability import Reliability
+from redrive.sanitize import sanitize_text
+from redrive.vocabularies import EVIDENCE
+from resources.evidence import CaseApiClient, MailClient
+
+log = logging.getLogger(__name__)
+
+UPLOAD_THREADS = 8
+CONTENT_TYPES = {"pdf": "application/pdf", "png": "image/png", "jpg": "image/jpeg", "jpeg": "image/jpeg",
+                 "gif": "image/gif", "txt": "text/plain", "csv": "text/csv", "html": "text/html"}
+
+
+class WorkerHooks:
+    """Test seam of the attach worker. `after_case_api` runs after the case API answered for an
+    artifact and before its outcome is written: raising there is "the case API accepted it, then
+    our database write failed"."""
+
+    def after_case_api(self, artifact_id: UUID, outcome: policy.AttemptOutcome) -> None:
+        return None
+
+
+# -------------------------------------------------------------------------------------------- attach
+
+
+@dataclass
+class RowResult:
+    file_job_id: UUID
+    row_id: UUID
+    event_id: UUID | None
+    results: list[contracts.EvidenceArtifactResult] = field(default_factory=list)
+    status: str = ""
+    settled: bool = False
+    dead_letter_id: int | None = None
+    notifications: list[str] = field(default_factory=list)
+    skipped: str | None = None
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "file_job_id": str(self.file_job_id), "row_id": str(self.row_id),
+            "event_id": str(self.event_id) if self.event_id else "-",
+            "attempted": len(self.results),
+            "attached": sum(1 for r in self.results if r.status == policy.ATTACHED),
+            "recovered_by_lookup": sum(1 for r in self.results if r.recovered_by_lookup),
+            "failed_retryable": sum(1 for r in self.results if r.status == policy.FAILED and not r.final),
+            "failed_final": sum(1 for r in self.results if r.status == policy.FAILED and r.final),
+            "row_evidence_status": self.status, "row_settled": self.settled,
+            "dead_letter_id": self.dead_letter_id if self.dead_letter_id is not None else "-",
+            "notifications_requested": ",".join(self.notifications) or "-",
+            "skipped": self.skipped or "-",
+        }
+
+
+class AttachWorker:
+    """004 §4 with Option A: the event names every artifact of a row; under the row's lock the worker
+    skips what is ATTACHED, looks up what has a recorded attempt, and attaches the rest."""
+
+    def __init__(self, runtime: Reliability, case_api: CaseApiClient, *, max_attempts: int,
+                 hooks: WorkerHooks | None = None, run_id: str | None = None) -> None:
+        self.runtime = runtime
+        self.case_api = case_api
+        self.max_attempts = max_attempts
+        self.hooks = hooks or WorkerHooks()
+        self.run_id = run_id
+
+    def process_event(self, event_id: UUID) -> RowResult:
+        with self.runtime.engine.connect() as conn:
+            event = repo.get_event(conn, event_id)
+        if event is None or event.file_job_row_id is None:
+            raise PermanentError(Failure.of(Code.INVARIANT_VIOLATION, message=f"no attach event {event_id}"))
+        parsed = contracts.parse_event(event.payload)
+        if not isinstance(parsed, contracts.EvidenceAttachRequested | contracts.EvidenceAttachRetry):
+            raise PermanentError(Failure.of(Code.INVARIANT_VIOLATION, message=f"event {event_id} is not an attach event"))
+        mode: policy.Mode = "retry" if isinstance(parsed, contracts.EvidenceAttachRetry) else "initial"
+        if event.status == "CONSUMED":
+            return RowResult(parsed.file_job_id, parsed.file_job_row_id, event_id, skipped="event already consumed")
+        return self.process_row(parsed.file_job_id, parsed.file_job_row_id, mode=mode,
+                                named={a.artifact_id for a in parsed.artifacts}, event_id=event_id)
+
+    def process_row(self, job_id: UUID, row_id: UUID, *, mode: policy.Mode, named: set[UUID] | None = None,
+                    event_id: UUID | None = None) -> RowResult:
+        engine = self.runtime.engine
+        result = RowResult(job_id, row_id, event_id)
+        with engine.connect() as lock_conn, lock_conn.begin():
+            if repo.lock_row(lock_conn, job_id, row_id) is None:
+                raise PermanentError(Failure.of(Code.INVARIANT_VIOLATION, message=f"no row {row_id} in {job_id}"))
+            artifacts = repo.row_artifacts(lock_conn, job_id, row_id)
+            plan = policy.plan_attempts(artifacts, named=named if named is not None else {a.id for a in artifacts},
+                                        mode=mode, now=self.runtime.now(), max_attempts=self.max_attempts)
+            with engine.begin() as conn:  # committed before any call: the attempt is on record
+                repo.claim_attempts(conn, plan, self.runtime.now())
+            for planned in plan:
+                outcome = self._attempt(planned)
+                self.hooks.after_case_api(planned.artifact.id, outcome)
+                result.results.append(self._record(planned, outcome, replay=mode == "replay"))
+            now = self.runtime.now()
+            summary = repo.refresh_row(lock_conn, job_id, row_id, now)
+            if event_id is not None:
+                repo.mark_consumed(lock_conn, event_id, now)
+            result.notifications = service.request_notifications(lock_conn, job_id, now)
+        result.status, result.settled = summary.status, summary.settled
+        if summary.settled and (plan or mode == "replay"):
+            result.dead_letter_id = dead_letter_row(self.runtime, summary, run_id=self.run_id)
+        return result
+
+    def _attempt(self, planned: policy.PlannedAttempt) -> policy.AttemptOutcome:
+        a = planned.artifact
+        try:
+            if planned.lookup_first:  # the race 004 §4 misses: attached at the API, not on record here
+                found = self.case_api.lookup(a.id)
+                if found is not None:
+                    return policy.AttemptOutcome(found.attachment_id, recovered_by_lookup=True)
+            done = self.case_api.attach(a.case_id, a.id, filename=posixpath.basename(a.file_name),
+                                        content_sha256=a.content_sha256 or "", s3_key=a.s3_key)
+            return policy.AttemptOutcome(done.attachment_id)
+        except Exception as exc:  # noqa: BLE001 - every failure is classified into 004's codes
+            return policy.AttemptOutcome(failure=EVIDENCE.apply(classify_exception(exc, now=self.runtime.now())))
+
+    def _record(self, planned: policy.PlannedAttempt, outcome: policy.AttemptOutcome, *,
+                replay: bool) -> contracts.EvidenceArtifactResult:
+        now = self.runtime.now()
+        a = planned.artifact
+        write = policy.decide_write(planned, outcome, now=now, rng=self.runtime.rng_for(f"evidence:{a.id}:{planned.attempt}"),
+                                    time_scale=self.runtime.time_scale, max_attempts=self.max_attempts, replay=replay)
+        with self.runtime.engine.begin() as conn:
+            repo.write_outcome(conn, write, now)
+        return contracts.EvidenceArtifactResult(
+            artifact_id=a.id, file_job_id=a.file_job_id, file_job_row_id=a.file_job_row_id, case_id=a.case_id,
+            status=write.attachment_status, error_code=write.attachment_error_code, attempt=planned.attempt,
+            final=write.final, recovered_by_lookup=outcome.recovered_by_lookup, occurred_at=now)
+
+
+def dead_letter_row(runtime: Reliability, summary: repo.RowSummary, *, run_id: str | None) -> int | None:
+    """A settled row with final failures an operator can act on gets one dead letter (and one alert);
+    a settled row without them closes a replayed letter. DATA failures go to N2, not here."""
+    entity = policy.row_entity(summary.file_job_id, summary.row_id)
+    final = [f for f in summary.failed if f.final]
+    code = policy.row_final_code([f.error_code for f in final])
+    if code is None:
+        runtime.succeeded(service.PIPELINE, entity)
+        return None
+    top, count = code
+    failure = Failure(
+        code=top, retryable=False, retry_after=None,
+        message=f"{len(final)} of {summary.counts.total} evidence files of case {summary.case_ref} failed for good "
+                f"({top}×{count})",
+        detail=sanitize_text("; ".join(f"{f.file_name}: {f.error_code}" for f in final))[:2000],
+    )
+    recorded = runtime.fail_for_good(FinalFailure(
+        pipeline=service.PIPELINE, stage="attach", entity_ref=entity, failure=failure,
+        attempts=summary.max_attempts, at=runtime.now(),
+        context={"file_job_id": str(summary.file_job_id), "row_id": str(summary.row_id),
+                 "case_ref": summary.case_ref,
+                 "failed": {str(f.artifact_id): f.error_code for f in final}},
+        payload_ref={"table": "file_job_row", "id": str(summary.row_id), "file_job_id": str(summary.file_job_id)},
+        stage_attempts={"attach": summary.max_attempts}, run_id=run_id,
+    ))
+    return recorded.dead_letter.id
+
+
+# ------------------------------------------------------------------------------------ notifications
+
+
+@dataclass(frozen=True)
+class Sent:
+    kind: str
+    message_id: str
+    already_sent: bool
+
+
+class NotificationSender:
+    """Send-then-mark (§5) under the file job's lock, with the notification's fixed idempotency token:
+    a crash between send and mark resends the same stored message under the same token, which the
+    provider answers with the first message instead of a second e-mail."""
+
+    def __init__(self, runtime: Reliability, mail: MailClient, *, run_id: str | None = None) -> None:
+        self.runtime = runtime
+        self.mail = mail
+        self.run_id = run_id
+
+    def send_pending(self, job_id: UUID) -> list[Sent]:
+        with self.runtime.engine.connect() as conn:
+            events = [e for e in repo.notification_events(conn, job_id) if e.status != "CONSUMED"]
+        return [s for e in events if (s := self.send(e.event_id)) is not None]
+
+    def send(self, event_id: UUID) -> Sent | None:
+        engine = self.runtime.engine
+        with engine.connect() as conn, conn.begin():
+            event = repo.get_event(conn, event_id)
+            if event is None or event.status == "CONSUMED":
+                return None
+            note = contracts.parse_event(event.payload)
+            if not isinstance(note, contracts.EvidenceNotificationRequested):
+                raise PermanentError(Failure.of(Code.INVARIANT_VIOLATION, message=f"{event_id} is not a notification"))
+            job = repo.get_file_job(conn, note.file_job_id, lock=True)
+            assert job is not None
+            already = (job.n1_sent_at if note.kind == "N1" else job.n2_sent_at) is not None
+            message_id = None
+            if not already:
+                message_id = self.mail.send(to=note.to, subject=note.subject, text=note.text,
+                                            token=note.idempotency_token)
+                repo.mark_notification_sent(conn, job.id, note.kind, message_id, self.runtime.now())
+            repo.mark_consumed(conn, event_id, self.runtime.now())
+        if note.kind == "N2" and note.closed_rows:
+            self._dead_letter_forced(note.file_job_id, note.closed_rows)
+        return Sent(note.kind, message_id or "", already)
+
+    def _dead_letter_forced(self, job_id: UUID, rows: Iterable[UUID]) -> None:
+        for row in rows:
+            with self.runtime.engine.begin() as conn:
+                summary = repo.refresh_row(conn, job_id, row, self.runtime.now())
+            dead_letter_row(self.runtime, summary, run_id=self.run_id)
+
+
+# -------------------------------------------------------------------------------------------- ingest
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    status: str
+    counts: dict[str, int]
+    errors: dict[str, int]
+    notifications: list[str]
+
+
+def ingest(runtime: Reliability, s3: Any, options: EvidenceOptions, job: repo.FileJob) -> IngestResult:
+    """Read the file job's ZIP, extract its evidence to S3, and record rows, artifacts and their attach
+    events in one transaction. An unreadable archive is the file job's error (N1/N2 tell the merchant),
+    not a crash; S3 trouble other than a missing object is raised for the stage runner to retry."""
+    if job.status != policy.RECEIVED:
+        return IngestResult(job.status, {}, {}, [])
+    try:
+        obj = s3.get_object(Bucket=job.source_bucket, Key=job.source_key)
+        data = obj["Body"].read()
+        etag = str(obj.get("ETag", "")).strip('"')
+        if etag != job.source_etag.strip('"'):
+            raise policy.ArchiveRejected(policy.S3_NOT_FOUND, "the uploaded version was replaced by a newer upload")
+        parsed = policy.parse_archive(data, file_types=options.file_types(), max_file_bytes=options.max_file_bytes,
+                                      max_archive_bytes=options.max_archive_bytes)
+    except policy.ArchiveRejected as rejected:
+        return _reject(runtime, job, rejected.code, rejected.message)
+    except botocore.exceptions.ClientError as exc:
+        if (exc.response.get("Error") or {}).get("Code") not in ("NoSuchKey", "404", "NotFound"):
+            raise
+        return _reject(runtime, job, policy.S3_NOT_FOUND, "the uploaded archive is no longer in S3")
+    _upload(s3, options, job, data, parsed)
+    with runtime.engine.begin() as conn:
+        current = repo.get_file_job(conn, job.id, lock=True)
+        if current is None or current.status != policy.RECEIVED:  # another run got here first
+            return IngestResult(current.status if current else "missing", {}, {}, [])
+        counts = repo.record_ingest(conn, current, parsed, now=runtime.now(),
+                                    s3_uri=lambda aid, name: options.s3_uri(job.id, aid, name))
+        notes = service.request_notifications(conn, job.id, runtime.now())
+    return IngestResult(policy.INGESTED, counts, parsed.error_counts(), notes)
+
+
+def _reject(runtime: Reliability, job: repo.FileJob, code: str, message: str) -> IngestResult:
+    with runtime.engine.begin() as conn:
+        repo.mark_ingest_failed(conn, job.id, code, message, runtime.now())
+        notes = service.request_notifications(conn, job.id, runtime.now())
+    log.warning("file job %s rejected: %s (%s)", job.id, code, message)
+    return IngestResult(policy.INGEST_FAILED, {"rows": 0, "artifacts": 0}, {code: 1}, notes)
+
+
+def _upload(s3: Any, options: EvidenceOptions, job: repo.FileJob, data: bytes, parsed: policy.ParsedArchive) -> None:
+    """Put every valid file under its derived key; a re-run puts the same bytes at the same keys."""
+    zf = zipfile.ZipFile(io.BytesIO(data))
+    members = {policy.normalise_member(i.filename): i for i in zf.infolist() if not i.is_dir()}
+
+    def put(key: str, body: bytes, content_type: str, sha: str) -> None:
+        s3.put_object(Bucket=options.bucket, Key=key, Body=body, ContentType=content_type,
+                      Metadata={"sha256": sha, "file-job-id": str(job.id)})
+
+    in_flight: deque[Future[None]] = deque()
+    with ThreadPoolExecutor(max_workers=UPLOAD_THREADS) as pool:
+        for prow in parsed.rows:
+            if not prow.ok:
+                continue
+            rid = policy.row_id(job.id, prow.line_no)
+            for f in prow.files:
+                if not f.ok:
+                    continue
+                while len(in_flight) >= 4 * UPLOAD_THREADS:  # bounded memory: a few files' bytes at a time
+                    in_flight.popleft().result()  # the first S3 error is raised for the stage runner
+                aid = policy.artifact_id(rid, f.index, f.name)
+                in_flight.append(pool.submit(put, options.s3_key(job.id, aid, f.name), zf.read(members[f.name]),
+                                             CONTENT_TYPES.get(f.file_type or "", "application/octet-stream"),
+                                             f.sha256 or ""))
+        while in_flight:
+            in_flight.popleft().result()

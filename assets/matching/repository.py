@@ -1,0 +1,390 @@
+"""All SQL of document matching: documents with their 000 status columns, match edges, clusters.
+
+Functions take a `Connection`, so the caller owns the transaction; `write_matches` is the one
+function that owns its own: 000's write phase (delete edges → insert edges → update clusters)
+in a single transaction, serialized per tenant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY, insert
+
+from assets.matching import policy
+from assets.matching.policy import FAILED, IN_PROGRESS, PENDING, SUCCEEDED, Candidate, DocumentIn, Edge, Prepared
+from redrive.schema import NOW, TZ, metadata
+
+document = sa.Table(
+    "document",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("tenant", sa.Text, nullable=False),
+    sa.Column("doc_type", sa.Text, nullable=False),
+    sa.Column("counterparty", sa.Text, nullable=False, server_default=""),
+    sa.Column("reference_numbers", ARRAY(sa.Text), nullable=False, server_default=sa.text("'{}'::text[]")),
+    sa.Column("amount", sa.Numeric(18, 2)),
+    sa.Column("currency", sa.Text),
+    sa.Column("document_date", sa.Date),
+    sa.Column("text", sa.Text, nullable=False, server_default=""),
+    # pre-processing output (000: persisted outside the write transaction)
+    sa.Column("searchable_text", sa.Text),
+    sa.Column("normalized_counterparty", sa.Text),
+    sa.Column("normalized_references", ARRAY(sa.Text)),
+    sa.Column("embedding", sa.LargeBinary),  # float32 little-endian, policy.EMBEDDING_DIMS values
+    sa.Column("embedding_bands", ARRAY(sa.Integer)),  # LSH signature, GIN-indexed
+    sa.Column("cluster_id", sa.Text),
+    # 000's four columns
+    sa.Column("matching_status", sa.Text),
+    sa.Column("matching_error", sa.Text),
+    sa.Column("matching_attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("matching_failed_at", TZ),
+    # beyond the seed: when the current delivery started, for the stuck in-progress detector
+    sa.Column("matching_started_at", TZ),
+    sa.Column("created_at", TZ, nullable=False, server_default=NOW),
+    sa.Column("updated_at", TZ, nullable=False, server_default=NOW),
+    sa.CheckConstraint(
+        "matching_status IN ('pending', 'in-progress', 'succeeded', 'failed')", name="matching_status"
+    ),
+    sa.Index("ix_document_tenant_normalized_counterparty", "tenant", "normalized_counterparty"),
+    sa.Index("ix_document_normalized_references", "normalized_references", postgresql_using="gin"),
+    sa.Index("ix_document_embedding_bands", "embedding_bands", postgresql_using="gin"),
+    sa.Index("ix_document_tenant_cluster_id", "tenant", "cluster_id"),
+    sa.Index("ix_document_tenant_matching_status", "tenant", "matching_status"),
+    sa.Index(
+        "ix_document_in_progress_started",
+        "matching_started_at",
+        postgresql_where=sa.text("matching_status = 'in-progress'"),
+    ),
+)
+
+document_match = sa.Table(
+    "document_match",
+    metadata,
+    sa.Column("document_a_id", sa.Text, sa.ForeignKey("document.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("document_b_id", sa.Text, sa.ForeignKey("document.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("tenant", sa.Text, nullable=False),
+    sa.Column("confidence", sa.Float, nullable=False),
+    sa.Column("reason", sa.Text, nullable=False, server_default=""),
+    sa.Column("created_at", TZ, nullable=False, server_default=NOW),
+    sa.CheckConstraint("document_a_id < document_b_id", name="ordered"),
+    sa.Index("ix_document_match_document_b_id", "document_b_id"),
+)
+
+
+# ------------------------------------------------------------------------------------------ ingestion
+
+
+def insert_document(conn: sa.Connection, doc: DocumentIn) -> bool:
+    """Insert once by id (a re-sent document is a no-op); matchable types start `pending` (000)."""
+    row = conn.execute(
+        insert(document)
+        .values(
+            id=doc.id, tenant=doc.tenant, doc_type=doc.doc_type, counterparty=doc.counterparty,
+            reference_numbers=list(doc.references), amount=doc.amount, currency=doc.currency,
+            document_date=doc.document_date, text=doc.text,
+            matching_status=PENDING if doc.matchable else None,
+        )
+        .on_conflict_do_nothing(index_elements=["id"])
+        .returning(document.c.id)
+    ).first()
+    return row is not None
+
+
+def mark_pending(conn: sa.Connection, document_ids: Sequence[str]) -> list[str]:
+    """Re-queue (replay, backfill): back to `pending`; returns the ids that exist."""
+    if not document_ids:
+        return []
+    rows = conn.execute(
+        sa.update(document)
+        .where(document.c.id.in_(list(document_ids)))
+        .values(matching_status=PENDING, updated_at=sa.func.now())
+        .returning(document.c.id)
+    )
+    return sorted(r.id for r in rows)
+
+
+def select_for_requeue(conn: sa.Connection, *, tenant: str | None, statuses: Sequence[str],
+                       include_never_queued: bool, limit: int) -> list[str]:
+    """Ids a backfill re-queues: matchable documents in the given statuses (NULL = never queued)."""
+    conds = []
+    if statuses:
+        conds.append(document.c.matching_status.in_(list(statuses)))
+    if include_never_queued:
+        conds.append(sa.and_(document.c.matching_status.is_(None),
+                             document.c.doc_type.in_(sorted(policy.MATCHABLE_TYPES))))
+    if not conds:
+        return []
+    q = sa.select(document.c.id).where(sa.or_(*conds)).order_by(document.c.id).limit(limit)
+    if tenant:
+        q = q.where(document.c.tenant == tenant)
+    return [r.id for r in conn.execute(q)]
+
+
+# --------------------------------------------------------------------------------------- state changes
+
+
+def mark_in_progress(conn: sa.Connection, document_id: str, now: datetime) -> dict[str, Any] | None:
+    """000: the worker picked the message up. One more delivery counted; None if no such document."""
+    row = conn.execute(
+        sa.update(document)
+        .where(document.c.id == document_id)
+        .values(matching_status=IN_PROGRESS, matching_attempts=document.c.matching_attempts + 1,
+                matching_started_at=now, updated_at=now)
+        .returning(*document.c)
+    ).mappings().first()
+    return _as_doc(row)
+
+
+def mark_waiting(conn: sa.Connection, document_id: str, error: str, now: datetime) -> None:
+    """Transient failure, SQS will deliver again: `pending` with the last error (not left in-progress,
+    which would look like a crashed worker for the 5/30 minutes of the visibility step)."""
+    conn.execute(sa.update(document).where(document.c.id == document_id)
+                 .values(matching_status=PENDING, matching_error=error, updated_at=now))
+
+
+def mark_failed(conn: sa.Connection, document_id: str, error: str, now: datetime) -> None:
+    conn.execute(sa.update(document).where(document.c.id == document_id)
+                 .values(matching_status=FAILED, matching_error=error, matching_failed_at=now, updated_at=now))
+
+
+def save_prepared(conn: sa.Connection, document_id: str, prepared: Prepared) -> None:
+    """000: pre-processing writes commit on their own; a retry overwrites them with the same values."""
+    conn.execute(
+        sa.update(document).where(document.c.id == document_id).values(
+            searchable_text=prepared.searchable_text,
+            normalized_counterparty=prepared.normalized_counterparty,
+            normalized_references=prepared.normalized_references,
+            embedding=policy.to_bytes(prepared.embedding),
+            embedding_bands=prepared.bands,
+        )
+    )
+
+
+def get(conn: sa.Connection, document_id: str) -> dict[str, Any] | None:
+    row = conn.execute(sa.select(document).where(document.c.id == document_id)).mappings().first()
+    return _as_doc(row)
+
+
+def _as_doc(row: Any) -> dict[str, Any] | None:
+    """A row as the policy reads a document (`references` as ingestion named them)."""
+    if row is None:
+        return None
+    doc = dict(row)
+    doc["references"] = list(doc.get("reference_numbers") or [])
+    return doc
+
+
+# ------------------------------------------------------------------------------------------ retrieval
+
+# Each signal is a bounded index lookup; the union is re-ranked exactly in numpy (policy.rank_candidates).
+BY_COUNTERPARTY, BY_REFERENCES, BY_EMBEDDING = 100, 100, 200
+
+_RETRIEVE = sa.text(
+    """
+    WITH by_counterparty AS (
+        SELECT id FROM document
+        WHERE tenant = :tenant AND normalized_counterparty = :counterparty AND id <> :id
+        ORDER BY document_date DESC NULLS LAST, id
+        LIMIT :k_counterparty
+    ), by_references AS (
+        SELECT id FROM document
+        WHERE normalized_references && CAST(:references AS text[]) AND tenant = :tenant AND id <> :id
+        ORDER BY id
+        LIMIT :k_references
+    ), by_embedding AS (
+        -- the GIN index finds rows sharing any LSH band; more shared bands = smaller angle
+        SELECT id FROM document
+        WHERE embedding_bands && CAST(:bands AS integer[]) AND tenant = :tenant AND id <> :id
+        ORDER BY (SELECT count(*) FROM unnest(embedding_bands) AS b WHERE b = ANY(CAST(:bands AS integer[]))) DESC, id
+        LIMIT :k_embedding
+    )
+    SELECT d.id, d.doc_type, d.counterparty, d.normalized_counterparty, d.normalized_references,
+           d.amount, d.currency, d.document_date, d.text, d.embedding
+    FROM document d
+    WHERE d.id IN (SELECT id FROM by_counterparty UNION SELECT id FROM by_references
+                   UNION SELECT id FROM by_embedding)
+      AND d.embedding IS NOT NULL
+    """
+)
+
+
+def retrieve_candidates(conn: sa.Connection, document_id: str, tenant: str, prepared: Prepared) -> list[Candidate]:
+    """Rows sharing the normalized counterparty, a reference, or an LSH band — never a scan of the tenant."""
+    rows = conn.execute(
+        _RETRIEVE,
+        {
+            "id": document_id, "tenant": tenant,
+            "counterparty": prepared.normalized_counterparty or "\x00none",
+            "references": prepared.normalized_references, "bands": prepared.bands,
+            "k_counterparty": BY_COUNTERPARTY, "k_references": BY_REFERENCES, "k_embedding": BY_EMBEDDING,
+        },
+    ).mappings()
+    return [
+        Candidate(
+            id=r["id"], doc_type=r["doc_type"], counterparty=r["counterparty"],
+            normalized_counterparty=r["normalized_counterparty"],
+            normalized_references=tuple(r["normalized_references"] or ()), amount=r["amount"],
+            currency=r["currency"], document_date=r["document_date"], text=r["text"],
+            embedding=policy.from_bytes(r["embedding"]),
+        )
+        for r in rows
+    ]
+
+
+# -------------------------------------------------------------------------------------- write phase
+
+
+@dataclass
+class WriteHooks:
+    """Test seams inside the write transaction (each gets the transaction's connection)."""
+
+    after_lock: Callable[[sa.Connection], None] = lambda conn: None
+    after_delete: Callable[[sa.Connection], None] = lambda conn: None
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    edges: int
+    affected: int
+    cluster_id: str
+    reassigned: int = 0
+    clusters: dict[str, str] = field(default_factory=dict)
+
+
+def _tenant_lock_key(tenant: str) -> sa.ColumnElement[Any]:
+    return sa.func.hashtextextended(f"matching:{tenant}", 0)
+
+
+def write_matches(engine: sa.Engine, document_id: str, tenant: str, edges: Sequence[Edge], now: datetime,
+                  hooks: WriteHooks | None = None) -> WriteResult:
+    """000's write phase, in one transaction:
+
+        BEGIN
+        DELETE FROM document_match WHERE document_a_id = ? OR document_b_id = ?
+        INSERT INTO document_match (new edges)
+        UPDATE document SET cluster_id = ? WHERE id IN (affected cluster members)
+        COMMIT
+
+    plus the document's `succeeded` mark, so a delivery either changes everything or nothing.
+
+    A transaction-scoped advisory lock per tenant comes first: clusters can join any two
+    documents of a tenant, so two deliveries (of the same document — SQS is at-least-once — or of
+    two documents that both match a third) must not compute cluster ids from each other's
+    half-written state. Everything is read after the lock, under READ COMMITTED, so the second
+    writer sees the first one's commit. The lock is held for milliseconds: the LLM call is outside.
+    """
+    hooks = hooks or WriteHooks()
+    with engine.begin() as conn:
+        conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_tenant_lock_key(tenant))))
+        hooks.after_lock(conn)
+        own = conn.execute(
+            sa.select(document.c.cluster_id).where(document.c.id == document_id).with_for_update()
+        ).first()
+        if own is None:
+            raise LookupError(f"document {document_id} vanished before its matches were written")
+        others = sorted({e.b if e.a == document_id else e.a for e in edges})
+        affected = _cluster_members(conn, tenant, [document_id, *others])
+
+        conn.execute(sa.delete(document_match).where(
+            sa.or_(document_match.c.document_a_id == document_id, document_match.c.document_b_id == document_id)))
+        hooks.after_delete(conn)
+        if edges:
+            conn.execute(insert(document_match), [
+                {"document_a_id": e.a, "document_b_id": e.b, "tenant": tenant, "confidence": e.confidence,
+                 "reason": e.reason[:500], "created_at": now} for e in edges])
+
+        links = _edges_within(conn, affected)
+        clusters = policy.connected_components(affected, links)
+        current = dict(conn.execute(
+            sa.select(document.c.id, document.c.cluster_id).where(document.c.id.in_(sorted(affected)))).all())
+        changes = [{"_id": d, "_cluster": c} for d, c in sorted(clusters.items()) if current.get(d) != c]
+        if changes:
+            conn.execute(
+                sa.update(document).where(document.c.id == sa.bindparam("_id"))
+                .values(cluster_id=sa.bindparam("_cluster"), updated_at=now),
+                changes,
+            )
+        conn.execute(sa.update(document).where(document.c.id == document_id)
+                     .values(matching_status=SUCCEEDED, updated_at=now))
+    return WriteResult(edges=len(edges), affected=len(affected), cluster_id=clusters[document_id],
+                       reassigned=len(changes), clusters=clusters)
+
+
+def _cluster_members(conn: sa.Connection, tenant: str, seeds: Sequence[str]) -> set[str]:
+    """The seeds and every member of their current clusters."""
+    cluster_ids = [r.cluster_id for r in conn.execute(
+        sa.select(document.c.cluster_id).where(document.c.id.in_(list(seeds)), document.c.cluster_id.is_not(None)))]
+    members = set(seeds)
+    if cluster_ids:
+        members |= {r.id for r in conn.execute(sa.select(document.c.id).where(
+            document.c.tenant == tenant, document.c.cluster_id.in_(sorted(set(cluster_ids)))))}
+    return members
+
+
+def _edges_within(conn: sa.Connection, nodes: set[str]) -> list[tuple[str, str]]:
+    """Edges touching the affected set; grows the set to a closure so a component is never cut."""
+    seen: set[tuple[str, str]] = set()
+    frontier = set(nodes)
+    while frontier:
+        ids = sorted(frontier)
+        rows = conn.execute(sa.select(document_match.c.document_a_id, document_match.c.document_b_id).where(
+            sa.or_(document_match.c.document_a_id.in_(ids), document_match.c.document_b_id.in_(ids)))).all()
+        new = {(r[0], r[1]) for r in rows} - seen
+        seen |= new
+        frontier = {n for e in new for n in e} - nodes
+        nodes |= frontier
+    return sorted(seen)
+
+
+# ------------------------------------------------------------------------------------------- reading
+
+
+def edges_of(conn: sa.Connection, tenant: str) -> list[tuple[str, str]]:
+    rows = conn.execute(sa.select(document_match.c.document_a_id, document_match.c.document_b_id)
+                        .where(document_match.c.tenant == tenant).order_by(document_match.c.document_a_id,
+                                                                          document_match.c.document_b_id))
+    return [(r[0], r[1]) for r in rows]
+
+
+def clusters_of(conn: sa.Connection, tenant: str) -> dict[str, str | None]:
+    rows = conn.execute(sa.select(document.c.id, document.c.cluster_id).where(document.c.tenant == tenant))
+    return {r.id: r.cluster_id for r in rows}
+
+
+def cluster_inconsistencies(conn: sa.Connection, tenant: str) -> list[str]:
+    """Documents whose cluster id disagrees with the components of the edges (empty = consistent)."""
+    edges = edges_of(conn, tenant)
+    stored = clusters_of(conn, tenant)
+    linked = {n for e in edges for n in e}
+    expected = policy.connected_components(linked, edges)
+    return sorted(d for d, c in expected.items() if stored.get(d) != c)
+
+
+@dataclass(frozen=True)
+class Stuck:
+    id: str
+    tenant: str
+    attempts: int
+    started_at: datetime
+
+
+def stuck_in_progress(conn: sa.Connection, older_than: datetime, limit: int = 100) -> list[Stuck]:
+    """000's crashed-worker signal: `in-progress` rows whose delivery started before `older_than`."""
+    rows = conn.execute(
+        sa.select(document.c.id, document.c.tenant, document.c.matching_attempts, document.c.matching_started_at)
+        .where(document.c.matching_status == IN_PROGRESS, document.c.matching_started_at < older_than)
+        .order_by(document.c.matching_started_at)
+        .limit(limit)
+    )
+    return [Stuck(r.id, r.tenant, r.matching_attempts, r.matching_started_at) for r in rows]
+
+
+def status_counts(conn: sa.Connection, ids: Iterable[str]) -> dict[str | None, int]:
+    rows = conn.execute(sa.select(document.c.matching_status, sa.func.count()).where(
+        document.c.id.in_(list(ids))).group_by(document.c.matching_status))
+    return {r[0]: r[1] for r in rows}

@@ -1,0 +1,275 @@
+"""000's per-message flow, to the letter, on the reliability core.
+
+    Receive message (SQS tracks ApproximateReceiveCount)
+    → mark document in-progress (matching_attempts + 1: deliveries, not LLM retries)
+    → run matching: pre-process (own commit) → retrieve candidates → LLM decision with in-process
+      retries (3 attempts, 2 s → 4 s → 8 s, this call only) → write phase (one transaction)
+    → SUCCESS       → succeeded, delete message
+    → NON-TRANSIENT → failed, notify admins, delete message
+    → TRANSIENT     → receive count 1: visibility 5 min; 2: 30 min;
+                      3: failed, notify admins, do not delete → SQS moves it to the DLQ
+
+Classification is the core's (`redrive.vocabularies.MATCHING`: 000's table), the LLM retry loop
+is `redrive.retrying.call_with_retries`, the visibility steps `MATCHING_VISIBILITY_BACKOFF` through
+`redrive.budgets.decide`, and the transition to failed is `Reliability.fail_for_good` (dead letter +
+Slack/email alert with document id, tenant, error, attempt count and admin link). Nothing here
+returns an empty result on failure: the LLM's answer is a valid decision or an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+
+from assets.matching import policy, repository
+from assets.matching.policy import PIPELINE, Action, Embedder, MatchDecision, MatchingMessage
+from assets.matching.repository import WriteHooks
+from redrive.backoff import MATCHING_LLM_BACKOFF
+from redrive.clock import Sleep
+from redrive.deadletters import FinalFailure
+from redrive.failures import Code, Failure, classify_exception
+from redrive.reliability import Reliability
+from redrive.retrying import call_with_retries
+from redrive.sanitize import sanitize_exception, sanitize_text
+from redrive.vocabularies import MATCHING
+from resources.llm import LlmResource
+from resources.matching import MatchingQueue, ReceivedMessage
+
+_log = logging.getLogger(__name__)
+
+
+def classify(exc: BaseException) -> Failure:
+    """000's table: 429/5xx/timeouts/refused/parse/schema transient; context window, 401/403 not."""
+    return MATCHING.apply(classify_exception(exc))
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    max_receive_count: int = 3
+    visibility_timeout: int = 60
+    visibility_scale: float = 1.0  # multiplies the 5 / 30 minute steps
+    llm_max_attempts: int = 3
+    candidate_limit: int = 10
+    batch_size: int = 5
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one delivery did; `action` None means the flow itself broke and the message was left alone."""
+
+    message_id: str
+    document_id: str | None
+    action: Action | None
+    receive_count: int
+    code: str | None = None
+    visibility: int | None = None  # seconds set with ChangeMessageVisibility
+    deleted: bool = False
+    llm_calls: int = 0
+    edges: int = 0
+    dead_letter_id: int | None = None
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    outcomes: list[Outcome]
+    batches: int
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(str(o.action) if o.action else "unhandled" for o in self.outcomes))
+
+    @property
+    def unhandled(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.action is None]
+
+
+@dataclass
+class Worker:
+    runtime: Reliability
+    queue: MatchingQueue
+    llm: LlmResource
+    config: WorkerConfig = field(default_factory=WorkerConfig)
+    admin_link: Callable[[str, str | None], str] = lambda doc, tenant: f"/admin/documents/{doc}"
+    sleep: Sleep = time.sleep  # in-process LLM backoff; the caller scales it
+    embedder: Embedder = policy.DEFAULT_EMBEDDER
+    hooks: WriteHooks = field(default_factory=WriteHooks)
+    before_write: Callable[[str], None] = lambda document_id: None  # test seam, outside the transaction
+    run_id: str | None = None
+    log: Any = _log
+    http: httpx.Client | None = None
+
+    # -- the drain loop --------------------------------------------------------------------
+
+    def drain(self, *, max_batches: int, wait_seconds: int = 0) -> DrainReport:
+        """Receive batches until the queue answers empty (after its long poll) or the batch budget is spent.
+
+        A batch's messages are processed concurrently, one thread each, so none waits out its 60 s
+        visibility behind another's LLM retries.
+        """
+        outcomes: list[Outcome] = []
+        batches = 0
+        own_http = self.http is None
+        if own_http:
+            self.http = httpx.Client(timeout=self.llm.timeout_seconds)
+        try:
+            with ThreadPoolExecutor(max_workers=self.config.batch_size, thread_name_prefix="matching") as pool:
+                while batches < max_batches:
+                    messages = self.queue.receive(self.config.batch_size, wait_seconds)
+                    if not messages:
+                        break
+                    batches += 1
+                    outcomes += list(pool.map(self.handle_safely, messages))
+        finally:
+            if own_http and self.http is not None:
+                self.http.close()
+                self.http = None
+        return DrainReport(outcomes, batches)
+
+    def handle_safely(self, message: ReceivedMessage) -> Outcome:
+        """The flow's own bookkeeping failed (database or SQS down): leave the message; SQS redelivers it."""
+        try:
+            return self.handle(message)
+        except Exception as exc:  # noqa: BLE001 - reported in the run's outcome and log, message left for SQS
+            failure = classify(exc)
+            self.log.error(f"matching: message {message.message_id} left for redelivery: "
+                           f"{failure.code}: {failure.message}")
+            return Outcome(message.message_id, None, None, message.receive_count, code=failure.code)
+
+    # -- one delivery ------------------------------------------------------------------------
+
+    def handle(self, message: ReceivedMessage) -> Outcome:
+        try:
+            body = MatchingMessage.model_validate_json(message.body)
+        except ValidationError as exc:
+            return self._quarantine(message, exc)
+        now = self.runtime.now()
+        with self.runtime.engine.begin() as conn:
+            doc = repository.mark_in_progress(conn, body.document_id, now)
+        if doc is None:
+            failure = MATCHING.apply(Failure.of(Code.NOT_FOUND, message="document not found"))
+            letter = self._notify(body.document_id, None, failure, message.receive_count, message, stack="")
+            self.queue.delete(message.receipt_handle)
+            return Outcome(message.message_id, body.document_id, Action.FAILED, message.receive_count,
+                           code=failure.code, deleted=True, dead_letter_id=letter)
+
+        calls = [0]
+        try:
+            edges = self.match(doc, message, calls)
+        except Exception as exc:  # noqa: BLE001 - every failure is classified and decided on
+            return self._after_failure(message, doc, classify(exc), exc, calls[0])
+        self.runtime.succeeded(PIPELINE, doc["id"])  # closes a replayed dead letter, if any
+        self.queue.delete(message.receipt_handle)
+        return Outcome(message.message_id, doc["id"], Action.SUCCEEDED, message.receive_count,
+                       deleted=True, llm_calls=calls[0], edges=edges)
+
+    def match(self, doc: dict[str, Any], message: ReceivedMessage | None, calls: list[int]) -> int:
+        """Pre-process (committed on its own), retrieve, decide, write; returns the number of edges."""
+        prepared = policy.prepare(doc, self.embedder)
+        with self.runtime.engine.begin() as conn:
+            repository.save_prepared(conn, doc["id"], prepared)
+        with self.runtime.engine.connect() as conn:
+            found = repository.retrieve_candidates(conn, doc["id"], doc["tenant"], prepared)
+        candidates = policy.rank_candidates(prepared, found, self.config.candidate_limit)
+        decision = self.decide(doc, candidates, message, calls) if candidates else MatchDecision(matches=[])
+        edges = policy.edges_from(doc["id"], decision, candidates)
+        self.before_write(doc["id"])
+        repository.write_matches(self.runtime.engine, doc["id"], doc["tenant"], edges, self.runtime.now(),
+                                 self.hooks)
+        return len(edges)
+
+    def decide(self, doc: dict[str, Any], candidates: list[policy.Candidate], message: ReceivedMessage | None,
+               calls: list[int]) -> MatchDecision:
+        """llm-match-decision: a valid decision or an exception, with 000's in-process retries."""
+        messages = policy.build_messages(doc, candidates)
+        schema = policy.decision_schema(len(candidates))
+
+        def ask() -> MatchDecision:
+            calls[0] += 1
+            return self.llm.chat_json(messages, schema, client=self.http)
+
+        def on_retry(failure: Failure, attempt: int, delay: float) -> None:
+            self.log.warning(f"matching: {doc['id']} LLM attempt {attempt}/{self.config.llm_max_attempts} "
+                             f"{failure.code}; retrying in {delay:g}s (unscaled)")
+            if message is not None:  # keep the message hidden while we wait (heartbeat)
+                try:
+                    self.queue.change_visibility(message.receipt_handle, self.config.visibility_timeout)
+                except Exception:  # noqa: BLE001 - a missed heartbeat costs a duplicate delivery, not data
+                    self.log.warning(f"matching: visibility heartbeat for {doc['id']} failed")
+
+        return call_with_retries(ask, classify=classify, policy=MATCHING_LLM_BACKOFF,
+                                 max_attempts=self.config.llm_max_attempts, sleep=self.sleep,
+                                 rng=self.runtime.rng_for(f"{PIPELINE}:{doc['id']}:llm:{doc['matching_attempts']}"),
+                                 on_retry=on_retry)
+
+    # -- after a failure -----------------------------------------------------------------------
+
+    def _after_failure(self, message: ReceivedMessage, doc: dict[str, Any], failure: Failure,
+                       exc: BaseException, llm_calls: int) -> Outcome:
+        rng = self.runtime.rng_for(f"{PIPELINE}:{doc['id']}:delivery:{message.receive_count}")
+        delivery = policy.delivery_decision(failure, message.receive_count, self.config.max_receive_count, rng)
+        error = sanitize_text(f"{failure.code}: {failure.message}")[:500]
+        now = self.runtime.now()
+        base = dict(message_id=message.message_id, document_id=doc["id"], receive_count=message.receive_count,
+                    code=failure.code, llm_calls=llm_calls)
+        if delivery.action is Action.RETRY_LATER:
+            seconds = policy.visibility_seconds(delivery.delay, self.config.visibility_scale)
+            with self.runtime.engine.begin() as conn:
+                repository.mark_waiting(conn, doc["id"], error, now)
+            self.queue.change_visibility(message.receipt_handle, seconds)
+            self.log.warning(f"matching: {doc['id']} delivery {message.receive_count} {failure.code}; "
+                             f"visible again in {seconds}s")
+            return Outcome(action=Action.RETRY_LATER, visibility=seconds, **base)
+
+        with self.runtime.engine.begin() as conn:
+            repository.mark_failed(conn, doc["id"], error, now)
+        letter = self._notify(doc["id"], doc["tenant"], failure, doc["matching_attempts"], message,
+                              stack=sanitize_exception(exc), llm_calls=llm_calls, outcome=str(delivery.action))
+        if delivery.action is Action.FAILED:
+            self.queue.delete(message.receipt_handle)
+            self.log.error(f"matching: {doc['id']} failed ({failure.code}, non-transient); message deleted")
+            return Outcome(action=Action.FAILED, deleted=True, dead_letter_id=letter, **base)
+        # Last delivery: keep the message. Visible at once, so the next receive moves it to the DLQ
+        # (redrive policy) instead of 60 s from now.
+        self.queue.change_visibility(message.receipt_handle, 0)
+        self.log.error(f"matching: {doc['id']} failed after {message.receive_count} deliveries ({failure.code}); "
+                       "message left for the DLQ")
+        return Outcome(action=Action.LEFT_FOR_DLQ, visibility=0, dead_letter_id=letter, **base)
+
+    def _notify(self, document_id: str, tenant: str | None, failure: Failure, attempts: int,
+                message: ReceivedMessage, *, stack: str, llm_calls: int = 0, outcome: str = "failed") -> int:
+        """The transition to failed: one dead letter and one Slack/email alert through the core."""
+        recorded = self.runtime.fail_for_good(
+            FinalFailure(
+                pipeline=PIPELINE, stage="match", entity_ref=document_id, failure=failure, attempts=attempts,
+                at=self.runtime.now(), tenant=tenant, stack=stack,
+                context={"receive_count": message.receive_count, "sqs_message_id": message.message_id,
+                         "llm_calls": llm_calls, "outcome": outcome, "queue": self.queue.queue_name},
+                payload_ref={"table": "document", "document_id": document_id, "sqs_message_id": message.message_id},
+                stage_attempts={"match": attempts}, run_id=self.run_id,
+            ),
+            link=self.admin_link(document_id, tenant),
+        )
+        return recorded.dead_letter.id
+
+    def _quarantine(self, message: ReceivedMessage, exc: ValidationError) -> Outcome:
+        """Not a matching message at all: no delivery can fix it. Kept in the DLQ now, dead letter + alert."""
+        failure = Failure.of(Code.DATA_ERROR, message="malformed matching message (expected {\"document_id\": …})",
+                             detail=str(exc), retryable=False)
+        failure = failure.as_code(failure.code, retryable=False)
+        self.queue.move_to_dlq(message, f"{failure.code}: malformed matching message")
+        recorded = self.runtime.fail_for_good(FinalFailure(
+            pipeline=PIPELINE, stage="receive", entity_ref=f"sqs-message:{message.message_id}", failure=failure,
+            attempts=message.receive_count, at=self.runtime.now(),
+            context={"queue": self.queue.queue_name, "moved_to": self.queue.dlq_name},
+            payload_ref={"queue": self.queue.dlq_name, "sqs_message_id": message.message_id}, run_id=self.run_id,
+        ))
+        return Outcome(message.message_id, None, Action.QUARANTINED, message.receive_count, code=failure.code,
+                       deleted=True, dead_letter_id=recorded.dead_letter.id)

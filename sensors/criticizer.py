@@ -1,0 +1,52 @@
+"""The criticizer's sensor: each submitted critique request becomes a partition and a run.
+
+It reads only: requests still `submitted` (no run has started them), oldest first. No
+cursor: a cursor on insertion order skips a request whose transaction commits after a
+later one was seen; re-reading `submitted` rows cannot lose one, and the run key
+(request + attempt 1) makes Dagster start each request once however often it is seen.
+The partition is added here, on the instance, rather than through a SensorResult
+request, and each request is resolved against the job here (partition tags), so a
+tick evaluated without the repository (the test and demo helpers) and any launcher
+get a run of the right partition.
+"""
+
+# No `from __future__ import annotations`: Dagster reads resource types from live annotations.
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import dagster as dg
+
+from assets.criticizer import repository
+from assets.criticizer.policy import PIPELINE
+from redrive.run_keys import run_key
+from resources.reliability import ReliabilityResource
+
+
+def new_requests_sensor(job: dg.JobDefinition, partitions: dg.DynamicPartitionsDefinition,
+                        run_config: Callable[[str, Mapping[str, Any]], dict], *, limit: int = 50,
+                        minimum_interval_seconds: int = 30) -> dg.SensorDefinition:
+    @dg.sensor(name="criticizer_new_requests", job=job, minimum_interval_seconds=minimum_interval_seconds,
+               default_status=dg.DefaultSensorStatus.RUNNING)
+    def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
+        """Starts a criticizer run for each submitted critique request (one dynamic partition per request)."""
+        with reliability.runtime().engine.connect() as conn:
+            pending = repository.submitted(conn, limit)
+        if not pending:
+            return dg.SkipReason("no critique request waiting")
+        assert partitions.name is not None
+        new = [r for r in pending if not context.instance.has_dynamic_partition(partitions.name, r)]
+        if new:
+            context.instance.add_dynamic_partitions(partitions.name, new)
+        return [
+            dg.RunRequest(
+                run_key=run_key(PIPELINE, request_id, attempt=1),
+                partition_key=request_id,
+                run_config=run_config(request_id, {}),
+                tags={"redrive/pipeline": PIPELINE},
+            ).with_resolved_tags_and_config(target_definition=job, dynamic_partitions_requests=[],
+                                            dynamic_partitions_store=context.instance)
+            for request_id in pending
+        ]
+
+    return _sensor

@@ -1,0 +1,177 @@
+"""The HTTP API (003 §3.6): uploads checked by content, owner-scoped jobs and retry, one-line canonical errors."""
+
+from __future__ import annotations
+
+
+import pytest
+import sqlalchemy as sa
+from starlette.testclient import TestClient
+
+from assets.conversion import repository as repo
+from assets.conversion.api import BANNER, create_app
+from redrive.breaker import CircuitBreaker
+from redrive.schema import dead_letters
+from redrive.vocabularies import CONVERSION_PUBLIC_CODES
+from tests.conversion.conftest import job, make_pdf
+
+
+@pytest.fixture
+def tokens(engine: sa.Engine) -> dict[str, str]:
+    with engine.begin() as conn:
+        return {who: repo.create_token(conn, who) for who in ("alice", "bob")}
+
+
+@pytest.fixture
+def client(engine, conv_settings, clock) -> TestClient:
+    return TestClient(create_app(engine, conv_settings, clock), raise_server_exceptions=False)
+
+
+def auth(tokens: dict[str, str], who: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {tokens[who]}"}
+
+
+def assert_one_line_error(response, status: int, code: str, tmp_path=None) -> None:
+    assert response.status_code == status
+    body = response.json()
+    assert set(body) == {"error", "message"} and body["error"] == code and code in CONVERSION_PUBLIC_CODES
+    assert "\n" not in body["message"] and "Traceback" not in response.text
+    if tmp_path is not None:
+        assert str(tmp_path) not in response.text
+
+
+def upload(client, tokens, who="alice", body: bytes | None = None, name="report.pdf"):
+    return client.post("/api/jobs", content=make_pdf() if body is None else body,
+                       headers={**auth(tokens, who), "Content-Type": "application/pdf", "X-Filename": name})
+
+
+def test_upload_list_get_and_download_the_result(client, tokens, make_worker, engine) -> None:
+    """A PDF upload is queued, listed for its owner only, converted by a worker and downloadable as XML."""
+    created = upload(client, tokens, name="Q3%20report.pdf")
+    assert created.status_code == 201
+    job_id = created.json()["id"]
+    assert created.json()["status"] == "queued" and created.json()["filename"] == "Q3 report.pdf"
+    assert [j["id"] for j in client.get("/api/jobs", headers=auth(tokens, "alice")).json()["jobs"]] == [job_id]
+    assert client.get("/api/jobs", headers=auth(tokens, "bob")).json()["jobs"] == []
+    assert_one_line_error(client.get(f"/api/jobs/{job_id}/result", headers=auth(tokens, "alice")), 409, "NOT_READY")
+
+    assert make_worker().step() == "processed"
+    shown = client.get(f"/api/jobs/{job_id}", headers=auth(tokens, "alice")).json()
+    assert shown["status"] == "succeeded" and shown["resultUrl"] == f"/api/jobs/{job_id}/result"
+    xml = client.get(shown["resultUrl"], headers=auth(tokens, "alice"))
+    assert xml.status_code == 200 and xml.headers["content-type"].startswith("application/xml")
+    assert xml.content.startswith(b"<document") and b"Hello" in xml.content
+
+
+def test_uploads_are_validated_by_content_not_by_name(client, tokens, conv_settings, tmp_path, engine) -> None:
+    """A PNG called .pdf is NOT_PDF, a PDF called .txt is accepted, an oversized body is TOO_LARGE; nothing is stored."""
+    png = b"\x89PNG\r\n\x1a\n" + b"\0" * 64
+    assert_one_line_error(upload(client, tokens, body=png, name="scan.pdf"), 415, "NOT_PDF", tmp_path)
+    assert_one_line_error(upload(client, tokens, body=b"", name="empty.pdf"), 415, "NOT_PDF", tmp_path)
+    assert upload(client, tokens, name="notes.txt").status_code == 201
+    small = TestClient(create_app(engine, conv_settings.model_copy(update={"upload_max_bytes": 100})),
+                       raise_server_exceptions=False)
+    assert_one_line_error(upload(small, tokens, body=make_pdf("x" * 200)), 413, "TOO_LARGE", tmp_path)
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(repo.conversion_jobs)).scalar() == 1
+    assert len(list(conv_settings.uploads_dir.iterdir())) == 1
+
+
+def test_without_a_valid_token_nothing_is_answered(client, tokens) -> None:
+    """No token, a wrong scheme or an unknown token: 401 FORBIDDEN, same for every route."""
+    for headers in ({}, {"Authorization": f"Basic {tokens['alice']}"}, {"Authorization": "Bearer nope"}):
+        assert_one_line_error(client.get("/api/jobs", headers=headers), 401, "FORBIDDEN")
+        assert_one_line_error(client.post("/api/jobs", content=make_pdf(), headers=headers), 401, "FORBIDDEN")
+
+
+def failed_job(engine, client, tokens, sandbox, make_worker, who="alice") -> str:
+    job_id = upload(client, tokens, who).json()["id"]
+    sandbox.script("pdf.convert", {"status": 400})
+    assert make_worker().step() == "processed"
+    assert job(engine, job_id).status == "failed"
+    return job_id
+
+
+def test_owner_retry_requeues_and_the_next_success_closes_the_dead_letter(client, tokens, engine, sandbox,
+                                                                          make_worker) -> None:
+    """003 §3.6: the owner's retry resets the error, zeroes attemptCount, bumps queuedAt; success resolves the dead letter."""
+    job_id = failed_job(engine, client, tokens, sandbox, make_worker)
+    before = job(engine, job_id)
+    response = client.post(f"/api/jobs/{job_id}/retry", headers=auth(tokens, "alice"))
+    assert response.status_code == 200
+    body = response.json()
+    assert (body["status"], body["attemptCount"], body["errorCode"], body["deadLetter"]) == ("queued", 0, None, False)
+    after = job(engine, job_id)
+    assert after.queued_at >= before.queued_at and after.retry_after is None
+    assert_one_line_error(client.post(f"/api/jobs/{job_id}/retry", headers=auth(tokens, "alice")), 409, "NOT_READY")
+
+    assert make_worker().step() == "processed"
+    assert job(engine, job_id).status == "succeeded"
+    with engine.connect() as conn:
+        letter = conn.execute(sa.select(dead_letters)).one()
+    assert letter.status == "resolved" and letter.entity_ref == job_id
+
+
+def test_another_users_job_answers_exactly_like_a_missing_one(client, tokens, engine, sandbox, make_worker) -> None:
+    """Bob's retry, read and download of Alice's job get the same 404 as an id that never existed; the job is untouched."""
+    job_id = failed_job(engine, client, tokens, sandbox, make_worker)
+    missing = "00000000-0000-4000-8000-000000000000"
+    for path in ("/api/jobs/{}/retry", "/api/jobs/{}", "/api/jobs/{}/result"):
+        method = client.post if path.endswith("retry") else client.get
+        theirs = method(path.format(job_id), headers=auth(tokens, "bob"))
+        nobody = method(path.format(missing), headers=auth(tokens, "bob"))
+        junk = method(path.format("not-an-id"), headers=auth(tokens, "bob"))
+        assert_one_line_error(theirs, 404, "FORBIDDEN")
+        assert theirs.content == nobody.content == junk.content
+    assert job(engine, job_id).status == "failed"
+
+
+def test_retry_with_the_source_deleted_is_a_clear_error_and_changes_nothing(client, tokens, engine, sandbox,
+                                                                             make_worker, files, tmp_path) -> None:
+    """The PDF is gone: 410 EXPIRED saying to upload again; the job stays failed with its error."""
+    job_id = failed_job(engine, client, tokens, sandbox, make_worker)
+    files.delete_source(job(engine, job_id).source_location)
+    response = client.post(f"/api/jobs/{job_id}/retry", headers=auth(tokens, "alice"))
+    assert_one_line_error(response, 410, "EXPIRED", tmp_path)
+    assert "upload it again" in response.json()["message"]
+    still = job(engine, job_id)
+    assert (still.status, still.error_code) == ("failed", "GW_4XX")
+    listed = client.get("/api/jobs", headers=auth(tokens, "alice")).json()["jobs"][0]
+    assert listed["sourcePresent"] is False
+
+
+def test_status_shows_the_banner_while_the_breaker_is_open(client, tokens, engine, conv_settings, clock) -> None:
+    """The page's banner text comes from /api/status while the breaker holds the queue, and goes when it closes."""
+    assert client.get("/api/status", headers=auth(tokens, "alice")).json() == {"breaker": "closed", "banner": None}
+    breaker = CircuitBreaker(engine, "pdf-gateway", conv_settings.breaker_policy(), clock)
+    for _ in range(10):
+        breaker.record(ok=False)
+    assert client.get("/api/status", headers=auth(tokens, "alice")).json() == {"breaker": "open", "banner": BANNER}
+
+
+def test_a_database_outage_is_a_one_line_io_error(conv_settings, tokens, db_url, tmp_path) -> None:
+    """When PostgreSQL is unreachable the user gets IO_ERROR in one line: no stack trace, no DSN, no path."""
+    broken = sa.create_engine(db_url.replace("?host=", "?port=1&host="), pool_pre_ping=False)
+    client = TestClient(create_app(broken, conv_settings), raise_server_exceptions=False)
+    response = client.get("/api/jobs", headers={"Authorization": f"Bearer {tokens['alice']}"})
+    assert_one_line_error(response, 503, "IO_ERROR", tmp_path)
+    assert "postgres" not in response.text.lower() and ".s.PGSQL" not in response.text
+
+
+def test_metrics_expose_the_counters_and_gauges_of_003(client, tokens, engine, sandbox, make_worker, clock) -> None:
+    """/metrics counts jobs created/completed/failed by code, retries, queue depth, gateway p95 and breaker time."""
+    upload(client, tokens)
+    upload(client, tokens)
+    sandbox.script("pdf.convert", {"status": 502}, {"status": 400})
+    worker = make_worker()
+    worker.step(), worker.step()  # first: 502 → retry; second: 400 → failed GW_4XX
+    upload(client, tokens)
+    worker.step()  # the third job: ok
+    text = client.get("/metrics").text
+    assert "redrive_conversion_jobs_created_total 3.0" in text
+    assert "redrive_conversion_jobs_completed_total 1.0" in text
+    assert 'redrive_conversion_jobs_failed_total{code="GW_4XX"} 1.0' in text
+    assert 'redrive_conversion_retries_scheduled_total{code="GW_5XX"} 1.0' in text
+    assert 'redrive_conversion_queue_depth{state="scheduled"} 1.0' in text
+    assert 'redrive_circuit_breaker_open{breaker="pdf-gateway"} 0.0' in text
+    assert "redrive_conversion_gateway_latency_p95_seconds" in text
+    # /metrics needs no token: Prometheus scrapes it from inside the network

@@ -1,0 +1,136 @@
+"""003 §5 integration tests: the worker against the sandbox's PDF gateway and real PostgreSQL, time frozen."""
+
+from __future__ import annotations
+
+import random
+
+import sqlalchemy as sa
+
+from assets.conversion import repository as repo
+from redrive.backoff import ExponentialPlusJitter
+from redrive.schema import dead_letters
+from tests.conversion.conftest import events, job
+
+
+def test_gateway_400_is_gw_4xx_and_never_retried(engine, sandbox, submit, make_worker) -> None:
+    """A 400 from the gateway fails the job for good as GW_4XX after one call: dead letter, mark and one alert."""
+    job_id = submit()
+    sandbox.script("pdf.convert", {"status": 400, "error_code": "INVALID_MAPPING"})
+    worker = make_worker()
+    assert worker.step() == "processed"
+
+    done = job(engine, job_id)
+    assert (done.status, done.error_code, done.attempt_count, done.dead_letter) == ("failed", "GW_4XX", 1, True)
+    assert done.retry_after is None and done.leased_by is None
+    assert "400" in (done.error_message or "") and "/" not in (done.error_message or "")
+    assert len(sandbox.requests("pdf.convert")) == 1
+    assert worker.step() == "idle"  # nothing requeued: no retry for GW_4XX
+    with engine.connect() as conn:
+        letters = conn.execute(sa.select(dead_letters)).all()
+    assert [(d.pipeline, d.entity_ref, d.error_class, d.attempts) for d in letters] == [
+        ("conversion", job_id, "GW_4XX", 1)]
+    assert sandbox.count("slack.message") == 1
+    assert events(engine, job_id) == ["queued", "processing", "failed"]
+
+
+def test_502_and_timeout_are_retried_with_the_formula_spacing(engine, sandbox, submit, make_worker, clock,
+                                                              reliability, conv_settings) -> None:
+    """502 then a gateway timeout: each retry is queued at 5000 ms·2^k + random(0–5000 ms) and the third call succeeds."""
+    job_id = submit()
+    sandbox.script("pdf.convert", {"status": 502}, {"kind": "timeout", "seconds": 1}, {"kind": "ok"})
+    # the sandbox holds the timed-out call 1 s; GATEWAY_TIMEOUT_MS=300 fires first
+    worker = make_worker(settings=conv_settings.model_copy(update={"gateway_timeout_ms": 300}))
+
+    for attempt, code in ((1, "GW_5XX"), (2, "GW_TIMEOUT")):
+        started = clock.now()
+        assert worker.step() == "processed"
+        row = job(engine, job_id)
+        assert (row.status, row.error_code, row.attempt_count) == ("queued", code, attempt)
+        assert row.leased_by is None and row.lease_expires_at is None
+        delay = (row.retry_after - started).total_seconds()
+        rng = reliability.rng_for(f"conversion:{job_id}:convert:{attempt}")
+        assert abs(delay - ExponentialPlusJitter().delay(attempt, rng)) < 1e-5  # the core's 003 policy, reproducible
+        low = 5.0 * 2 ** (attempt - 1)
+        assert low <= delay <= low + 5.0
+        assert worker.step() == "idle"  # not due yet: the claim skips it
+        clock.advance(delay)
+
+    assert worker.step() == "processed"
+    done = job(engine, job_id)
+    assert (done.status, done.attempt_count, done.error_code) == ("succeeded", 3, None)
+    assert [r["step"] for r in sandbox.requests("pdf.convert")] == ["status:502", "timeout", "ok"]
+    assert events(engine, job_id) == ["queued", "processing", "retry", "processing", "retry", "processing", "complete"]
+
+
+def test_retryable_failures_stop_after_three_attempts(engine, sandbox, submit, make_worker, clock) -> None:
+    """Three 503s: the third attempt is the last (RETRY_MAX_ATTEMPTS=3), the job fails GW_5XX and is dead-lettered once."""
+    job_id = submit()
+    sandbox.script("pdf.convert", {"status": 503}, {"status": 503}, {"status": 503})
+    worker = make_worker()
+    for _ in range(3):
+        assert worker.step() == "processed"
+        clock.advance(60)
+    done = job(engine, job_id)
+    assert (done.status, done.error_code, done.attempt_count, done.dead_letter) == ("failed", "GW_5XX", 3, True)
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(dead_letters)).scalar() == 1
+
+
+def test_claim_skips_a_future_retry_after_and_takes_a_due_job(engine, submit, make_worker, clock) -> None:
+    """An older job scheduled for later is skipped; the due one is claimed; once due, the older one is next."""
+    older = submit()
+    clock.advance(1)
+    newer = submit()
+    with engine.begin() as conn:
+        conn.execute(sa.update(repo.conversion_jobs).where(repo.conversion_jobs.c.id == older)
+                     .values(retry_after=clock.now() + __import__("datetime").timedelta(seconds=30)))
+    worker = make_worker()
+    first = worker.claim()
+    assert first is not None and first.job_id == newer
+    assert worker.claim() is None  # only the future one is left
+    clock.advance(30)
+    second = worker.claim()
+    assert second is not None and second.job_id == older
+
+
+def test_claims_oldest_first_and_each_claim_bumps_the_fencing_epoch(engine, submit, make_worker, clock) -> None:
+    """Claims go by age; every claim of a job hands out a higher lease epoch than the one before."""
+    a = submit()
+    clock.advance(1)
+    b = submit()
+    worker = make_worker()
+    lease_a = worker.claim()
+    assert lease_a is not None and lease_a.job_id == a and lease_a.epoch == 1
+    clock.advance(5)  # lease TTL 2 s: expired
+    assert [r.job_id for r in worker.reclaim()] == [a]
+    again = worker.claim()
+    assert again is not None and again.job_id == a and again.epoch == 2  # the oldest again, with a new token
+    assert worker.claim().job_id == b  # type: ignore[union-attr]
+
+
+def test_source_deleted_before_conversion_fails_with_expired_without_calling_the_gateway(
+        engine, sandbox, submit, make_worker, files) -> None:
+    """A job whose PDF was removed fails EXPIRED at once: no gateway call, no retry, no breaker call."""
+    job_id = submit()
+    files.delete_source(job(engine, job_id).source_location)
+    assert make_worker().step() == "processed"
+    done = job(engine, job_id)
+    assert (done.status, done.error_code, done.attempt_count) == ("failed", "EXPIRED", 1)
+    assert sandbox.requests("pdf.convert") == []
+
+
+def test_malformed_xml_from_the_gateway_is_gw_4xx(engine, sandbox, submit, make_worker) -> None:
+    """A 200 whose body is not the expected XML document is the gateway's fault in 003's words: GW_4XX, no retry."""
+    a, b = submit(), submit()
+    sandbox.script("pdf.convert", {"kind": "malformed"}, {"kind": "schema_invalid"})
+    worker = make_worker()
+    worker.step(), worker.step()
+    assert [(job(engine, j).status, job(engine, j).error_code) for j in (a, b)] == [("failed", "GW_4XX")] * 2
+
+
+def test_jitter_is_spread_across_jobs(reliability) -> None:
+    """Two jobs failing at the same moment draw different jitter (no thundering herd of retries)."""
+    delays = {ExponentialPlusJitter().delay(1, reliability.rng_for(f"conversion:{i}:convert:1")) for i in range(20)}
+    assert len(delays) == 20
+    assert all(5.0 <= d <= 10.0 for d in delays)
+    assert random.Random(0).random() != random.Random(1).random()
