@@ -55,9 +55,6 @@ class EvidenceSettings(BaseSettings):
     alert_n2_avg_latency_seconds: float = Field(default=6 * 3600.0)
     alert_heartbeat_seconds: float = Field(default=900.0, description="Alert when the scheduler has not ticked for this long.")
 
-    def file_types(self) -> frozenset[str]:
-        return frozenset(t.strip().lower().lstrip(".") for t in self.allowed_file_types.split(",") if t.strip())
-
 
 class EvidenceOptions(ConfigurableResource):
     """What the evidence ops need of the settings, as a resource (resolved when Definitions are built)."""
@@ -69,13 +66,19 @@ class EvidenceOptions(ConfigurableResource):
     max_file_bytes: int = 25 * 1024 * 1024
     max_archive_bytes: int = 1024 * 1024 * 1024
     max_attempts: int = 3
+    n2_timeout_hours: float = 24.0
+    alert_permanent_rate: float = 0.10
+    alert_permanent_window_seconds: float = 3600.0
+    alert_permanent_min_sample: int = 20
+    alert_queue_depth: int = 500
+    alert_queue_depth_sustain_seconds: float = 600.0
+    alert_n2_avg_latency_seconds: float = 6 * 3600.0
+    alert_heartbeat_seconds: float = 900.0
 
     @classmethod
     def from_settings(cls, evidence: EvidenceSettings, bucket: str) -> EvidenceOptions:
-        return cls(bucket=evidence.bucket or bucket, files_prefix=evidence.files_prefix,
-                   default_notify_to=evidence.default_notify_to, allowed_file_types=evidence.allowed_file_types,
-                   max_file_bytes=evidence.max_file_bytes, max_archive_bytes=evidence.max_archive_bytes,
-                   max_attempts=evidence.max_attempts)
+        shared = set(cls.model_fields) - {"bucket"}
+        return cls(bucket=evidence.bucket or bucket, **evidence.model_dump(include=shared))
 
     def file_types(self) -> frozenset[str]:
         return frozenset(t.strip().lower().lstrip(".") for t in self.allowed_file_types.split(",") if t.strip())

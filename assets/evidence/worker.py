@@ -294,7 +294,10 @@ def _reject(runtime: Reliability, job: repo.FileJob, code: str, message: str) ->
 def _upload(s3: Any, options: EvidenceOptions, job: repo.FileJob, data: bytes, parsed: policy.ParsedArchive) -> None:
     """Put every valid file under its derived key; a re-run puts the same bytes at the same keys."""
     zf = zipfile.ZipFile(io.BytesIO(data))
-    members = {policy.normalise_member(i.filename): i for i in zf.infolist() if not i.is_dir()}
+    members: dict[str | None, zipfile.ZipInfo] = {}
+    for info in zf.infolist():
+        if not info.is_dir():
+            members.setdefault(policy.normalise_member(info.filename), info)  # first wins, as in parse_archive
 
     def put(key: str, body: bytes, content_type: str, sha: str) -> None:
         s3.put_object(Bucket=options.bucket, Key=key, Body=body, ContentType=content_type,

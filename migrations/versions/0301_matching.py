@@ -57,8 +57,13 @@ def upgrade() -> None:
     )
     op.create_index("ix_document_tenant_normalized_counterparty", "document", ["tenant", "normalized_counterparty"])
     op.create_index("ix_document_normalized_references", "document", ["normalized_references"],
-                    postgresql_using="gin")
-    op.create_index("ix_document_embedding_bands", "document", ["embedding_bands"], postgresql_using="gin")
+                    postgresql_using="gin", postgresql_with={"fastupdate": "off"})
+    op.create_index("ix_document_embedding_bands", "document", ["embedding_bands"], postgresql_using="gin",
+                    postgresql_with={"fastupdate": "off"})
+    # Each LSH band value is rare (about N/4096 rows); with the default statistics target the planner
+    # overestimates `&&` on 16 of them and scans the table. A longer element list keeps the GIN index.
+    op.execute("ALTER TABLE document ALTER COLUMN embedding_bands SET STATISTICS 1000")
+    op.execute("ALTER TABLE document ALTER COLUMN normalized_references SET STATISTICS 1000")
     op.create_index("ix_document_tenant_cluster_id", "document", ["tenant", "cluster_id"])
     op.create_index("ix_document_tenant_matching_status", "document", ["tenant", "matching_status"])
     op.create_index("ix_document_in_progress_started", "document", ["matching_started_at"],

@@ -90,3 +90,21 @@ def test_success_after_transient_faults_leaves_no_dead_letter(defs, instance, en
         assert conn.execute(sa.select(sa.func.count()).select_from(dead_letters)).scalar() == 0
         assert conn.execute(sa.text("SELECT result FROM rehearsal_requests")).scalar() == {"verdict": "fair"}
     assert sandbox.count("slack.message") == 0
+
+
+def test_dagster_holds_the_run_for_the_requested_wait(scaled_settings, instance, engine, sandbox,
+                                                      rehearsal_request) -> None:
+    """Pins Dagster's behaviour the durable threshold relies on: the retry starts no earlier than the wait."""
+    from orchestration.definitions import build_definitions
+
+    defs = build_definitions(scaled_settings.model_copy(update={"redrive_time_scale": 0.05}))
+    sandbox.set_default("llm", content='{"verdict": "ok"}')
+    sandbox.script("llm", {"status": 429, "headers": {"Retry-After": "3"}})
+    result = defs.resolve_job_def("rehearsal_job").execute_in_process(
+        run_config=rehearsal.run_config(rehearsal_request, {}), instance=instance)
+    assert result.success
+    [up] = instance.get_records_for_run(result.run_id, of_type=dg.DagsterEventType.STEP_UP_FOR_RETRY).records
+    [restarted] = instance.get_records_for_run(result.run_id, of_type=dg.DagsterEventType.STEP_RESTARTED).records
+    wait = up.event_log_entry.dagster_event.step_retry_data.seconds_to_wait
+    assert wait == 3.0 * 0.05
+    assert restarted.event_log_entry.timestamp - up.event_log_entry.timestamp >= wait

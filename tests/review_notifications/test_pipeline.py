@@ -20,8 +20,7 @@ from redrive.cli import app as redrive_cli
 from redrive.clock import SystemClock
 from redrive.schema import dead_letters, deferred_attempts
 from redrive.settings import PROJECT_ROOT
-from tests.dagster_helpers import tick
-from tests.review_notifications.conftest import RECIPIENTS, notifications, rows
+from tests.review_notifications.conftest import RECIPIENTS, notifications, rows, tick
 from tests.review_notifications.crash_worker import CRASHED
 
 SENSOR = "review_notifications_pending_jobs"
@@ -86,7 +85,9 @@ def test_sensor_registers_partitions_of_jobs_created_without_an_instance(defs, i
     """A job created by another service (no Dagster instance at hand) gets its partition from the sensor."""
     api.submit(engine, request())
     sensor = defs.resolve_sensor_def(SENSOR)
-    with dg.build_sensor_context(instance=instance, resources=defs.resources, sensor_name=SENSOR) as context:
+    with dg.partition_loading_context(dynamic_partitions_store=instance), \
+            dg.build_sensor_context(instance=instance, resources=defs.resources, sensor_name=SENSOR,
+                                    repository_def=defs.get_repository_def()) as context:
         result = sensor.evaluate_tick(context)
     assert [r.partition_keys for r in result.dynamic_partitions_requests] == [["CL-1:v3"]]
     assert [r.partition_key for r in result.run_requests] == ["CL-1:v3"]
