@@ -136,15 +136,7 @@ def record(conn: sa.Connection, final: FinalFailure) -> Recorded:
         "last_failure_at": final.at,
         "run_id": final.run_id,
     }
-    current = conn.execute(
-        sa.select(dead_letters)
-        .where(
-            dead_letters.c.pipeline == final.pipeline,
-            dead_letters.c.entity_ref == final.entity_ref,
-            dead_letters.c.status != RESOLVED,
-        )
-        .with_for_update()
-    ).first()
+    current = _active_row(conn, final.pipeline, final.entity_ref, lock=True)
     if current is None:
         stmt = (
             insert(dead_letters)
@@ -158,15 +150,8 @@ def record(conn: sa.Connection, final: FinalFailure) -> Recorded:
         if row is not None:
             return Recorded(DeadLetter.from_row(row), created=True)
         # Another transaction recorded it between our SELECT and INSERT: treat as a repeat.
-        current = conn.execute(
-            sa.select(dead_letters)
-            .where(
-                dead_letters.c.pipeline == final.pipeline,
-                dead_letters.c.entity_ref == final.entity_ref,
-                dead_letters.c.status != RESOLVED,
-            )
-            .with_for_update()
-        ).one()
+        current = _active_row(conn, final.pipeline, final.entity_ref, lock=True)
+        assert current is not None  # the conflicting row is committed and visible now
 
     was_replaying = current.status == REPLAYING
     escalate = was_replaying and current.error_class == f.code and not f.retryable
@@ -194,14 +179,18 @@ def get(conn: sa.Connection, dead_letter_id: int) -> DeadLetter | None:
     return DeadLetter.from_row(row) if row else None
 
 
+def _active_row(conn: sa.Connection, pipeline: str, entity_ref: str, *, lock: bool = False) -> sa.Row[Any] | None:
+    """The entity's one active (not resolved) dead letter, optionally locked for update."""
+    q = sa.select(dead_letters).where(
+        dead_letters.c.pipeline == pipeline,
+        dead_letters.c.entity_ref == entity_ref,
+        dead_letters.c.status != RESOLVED,
+    )
+    return conn.execute(q.with_for_update() if lock else q).first()
+
+
 def active_for(conn: sa.Connection, pipeline: str, entity_ref: str) -> DeadLetter | None:
-    row = conn.execute(
-        sa.select(dead_letters).where(
-            dead_letters.c.pipeline == pipeline,
-            dead_letters.c.entity_ref == entity_ref,
-            dead_letters.c.status != RESOLVED,
-        )
-    ).first()
+    row = _active_row(conn, pipeline, entity_ref)
     return DeadLetter.from_row(row) if row else None
 
 

@@ -155,6 +155,7 @@ PIPELINE_SCHEMAS: tuple[str, ...] = (
     "assets.review_notifications.repository",
     "redrive.breaker",
     "assets.conversion.repository",
+    "assets.evidence.repository",
 )
 
 

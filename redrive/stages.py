@@ -15,7 +15,7 @@ cause chain in its event log, and a secret in an upstream error must not land th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -136,3 +136,51 @@ def run_stage(
         },
         allow_retries=False,
     ) from StageFailed(failure.code)
+
+
+class EntityRunFields(dg.Config):
+    """Run config every staged pipeline accepts from the core's sensors: durable retries and replays.
+
+    Subclass it with the entity's own key field(s); `entity_run_config` builds the run config.
+    """
+
+    replay_from: str | None = None  # "failed_stage" (default) or "start" (a full restart)
+    replay_of: int | None = None  # the dead letter being replayed
+    stage: str | None = None
+    attempt: int | None = None  # set when a durable timer started this run
+    prior_attempts: dict[str, int] = {}
+
+
+def entity_run_config(config_cls: type[dg.Config], ops: Sequence[str], **values: Any) -> dict[str, Any]:
+    """The same config for every op of the job, keeping only fields the config class declares."""
+    allowed = {k: v for k, v in values.items() if k in config_cls.model_fields}
+    return {"ops": {op: {"config": allowed} for op in ops}}
+
+
+def checkpointed_stage(
+    context: dg.OpExecutionContext,
+    reliability: Reliability,
+    unit: Unit,
+    stage: str,
+    policy: StagePolicy,
+    work: Callable[[], Mapping[str, Any]],
+) -> dict[str, Any] | None:
+    """Return the stage's checkpoint, or run it under its policy and checkpoint the output.
+
+    None means the next attempt was deferred to a durable timer: end the op without output.
+    A replay from the failed stage finds the earlier stages' checkpoints and skips them.
+    """
+    from redrive import checkpoints
+
+    with reliability.engine.connect() as conn:
+        done = checkpoints.load(conn, unit.pipeline, unit.entity_ref, stage)
+    if done is not None:
+        context.log.info(f"{stage}: reusing the checkpoint of {unit.entity_ref}")
+        return done
+    try:
+        output = dict(run_stage(context, reliability, unit, stage, policy, work))
+    except DeferredRetry:
+        return None
+    with reliability.engine.begin() as conn:
+        checkpoints.save(conn, unit.pipeline, unit.entity_ref, stage, output)
+    return output

@@ -18,8 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from assets.rehearsal import repository
 from redrive import checkpoints
 from redrive.backoff import FullJitter
-from redrive.reliability import Reliability
-from redrive.stages import DeferredRetry, StagePolicy, Unit, run_stage
+from redrive.stages import EntityRunFields, StagePolicy, Unit, checkpointed_stage, entity_run_config
 from resources.http import ArtifactStoreResource
 from resources.llm import LlmResource
 from resources.reliability import ReliabilityResource
@@ -36,13 +35,8 @@ class Verdict(BaseModel):
     verdict: str
 
 
-class RehearsalConfig(dg.Config):
+class RehearsalConfig(EntityRunFields):
     request_id: str
-    replay_from: str | None = None
-    replay_of: int | None = None
-    stage: str | None = None
-    attempt: int | None = None
-    prior_attempts: dict[str, int] = {}
 
 
 def unit_for(request: repository.RehearsalRequest, config: RehearsalConfig) -> Unit:
@@ -53,24 +47,6 @@ def unit_for(request: repository.RehearsalRequest, config: RehearsalConfig) -> U
         context={"request_id": request.request_id, "artifact_path": request.artifact_path},
         prior_attempts=config.prior_attempts,
     )
-
-
-def staged(
-    context: dg.OpExecutionContext, runtime: Reliability, unit: Unit, stage: str, work: Any
-) -> dict[str, Any] | None:
-    """Return the stage's checkpoint, or run the stage under its policy and checkpoint it."""
-    with runtime.engine.connect() as conn:
-        done = checkpoints.load(conn, unit.pipeline, unit.entity_ref, stage)
-    if done is not None:
-        context.log.info(f"{stage}: reusing checkpoint of {unit.entity_ref}")
-        return done
-    try:
-        output = run_stage(context, runtime, unit, stage, POLICIES[stage], work)
-    except DeferredRetry:
-        return None
-    with runtime.engine.begin() as conn:
-        checkpoints.save(conn, unit.pipeline, unit.entity_ref, stage, output)
-    return output
 
 
 @dg.op(name="rehearsal_fetch", out=dg.Out(dict, is_required=False))
@@ -88,7 +64,7 @@ def fetch(context: dg.OpExecutionContext, config: RehearsalConfig, reliability: 
         body = artifact_store.fetch(request.artifact_path)
         return {"text": body.decode("utf-8", errors="replace"), "sha256": hashlib.sha256(body).hexdigest()}
 
-    output = staged(context, runtime, unit_for(request, config), "fetch", download)
+    output = checkpointed_stage(context, runtime, unit_for(request, config), "fetch", POLICIES["fetch"], download)
     if output is not None:
         yield dg.Output(output)
 
@@ -102,8 +78,8 @@ def ask(context: dg.OpExecutionContext, config: RehearsalConfig, reliability: Re
         request = repository.get(conn, config.request_id)
     messages = [{"role": "system", "content": "Answer as JSON {\"verdict\": …}."},
                 {"role": "user", "content": f"{request.prompt}\n\n{fetched['text']}"}]
-    output = staged(context, runtime, unit_for(request, config), "ask",
-                    lambda: llm.chat_json(messages, Verdict).model_dump())
+    output = checkpointed_stage(context, runtime, unit_for(request, config), "ask", POLICIES["ask"],
+                                lambda: llm.chat_json(messages, Verdict).model_dump())
     if output is None:
         return
     with runtime.engine.begin() as conn:
@@ -119,6 +95,4 @@ def rehearsal_job() -> None:
 
 
 def run_config(request_id: str, extra: dict[str, Any]) -> dict[str, Any]:
-    allowed = {k: v for k, v in extra.items() if k in RehearsalConfig.model_fields}
-    cfg = {"request_id": request_id, **allowed}
-    return {"ops": {"rehearsal_fetch": {"config": cfg}, "rehearsal_ask": {"config": cfg}}}
+    return entity_run_config(RehearsalConfig, ["rehearsal_fetch", "rehearsal_ask"], request_id=request_id, **extra)
