@@ -30,7 +30,29 @@ from redrive.settings import Settings
 # Modules with `run_demo(ctx) -> DemoReport`, in seed order.
 DEMOS: tuple[str, ...] = (
     "assets.rehearsal.demo",
+    "assets.conversion.demo",
+    "assets.criticizer.demo",
+    "assets.matching.demo",
+    "assets.matchmaking.demo",
+    "assets.review_notifications.demo",
+    "assets.evidence.demo",
 )
+
+
+def evaluate_sensor(defs: dg.Definitions, instance: dg.DagsterInstance, sensor_name: str) -> list[dg.RunRequest]:
+    """Evaluate one tick as the daemon does: with the repository and the instance's dynamic partitions,
+    adding the partitions the tick asks for. Returns its run requests (the caller launches them)."""
+    sensor = defs.resolve_sensor_def(sensor_name)
+    with dg.partition_loading_context(dynamic_partitions_store=instance), \
+            dg.build_sensor_context(instance=instance, resources=defs.resources, sensor_name=sensor_name,
+                                    repository_def=defs.get_repository_def(),
+                                    instance_ref=instance.get_ref()) as context:
+        data = sensor.evaluate_tick(context)
+    for partitions_request in data.dynamic_partitions_requests or []:
+        if isinstance(partitions_request, dg.AddDynamicPartitionsRequest):
+            instance.add_dynamic_partitions(partitions_request.partitions_def_name,
+                                            list(partitions_request.partition_keys))
+    return list(data.run_requests or [])
 
 
 @dataclass
@@ -61,17 +83,14 @@ class DemoContext:
 
     def tick(self, sensor_name: str) -> list[dg.ExecuteInProcessResult]:
         """One daemon tick of a sensor: evaluate it, launch what it requests (honouring run keys)."""
-        sensor = self.defs.resolve_sensor_def(sensor_name)
-        with dg.build_sensor_context(instance=self.instance, resources=self.defs.resources,
-                                     sensor_name=sensor_name) as context:
-            requests = list(sensor.evaluate_tick(context).run_requests or [])
         results = []
-        for request in requests:
+        for request in evaluate_sensor(self.defs, self.instance, sensor_name):
             if request.run_key and self.instance.get_runs(
                     filters=dg.RunsFilter(tags={"dagster/run_key": request.run_key})):
                 continue  # the daemon skips a run key it has launched before
             tags = {**(request.tags or {}), **({"dagster/run_key": request.run_key} if request.run_key else {})}
-            results.append(self.run(request.job_name or sensor.job_name, run_config=request.run_config, tags=tags,
+            job_name = request.job_name or self.defs.resolve_sensor_def(sensor_name).job_name
+            results.append(self.run(job_name, run_config=request.run_config, tags=tags,
                                     partition_key=request.partition_key))
         return results
 

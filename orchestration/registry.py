@@ -35,6 +35,7 @@ PIPELINES: tuple[str, ...] = (
     "assets.criticizer.definitions",
     "assets.review_notifications.definitions",
     "assets.conversion.definitions",
+    "assets.evidence.definitions",
 )
 
 

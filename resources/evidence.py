@@ -10,8 +10,10 @@ classifier; a 2xx whose body we cannot read means "outcome unknown" and is raise
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import lru_cache
 from typing import NoReturn, TypeVar
 from uuid import UUID
 
@@ -23,6 +25,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from redrive.failures import Code, Failure, raise_failure
 
 M = TypeVar("M", bound=BaseModel)
+
+
+@lru_cache(maxsize=1)
+def _tls() -> ssl.SSLContext:
+    """One verifying TLS context per process (building one per session costs more than a row's calls)."""
+    return ssl.create_default_context()
 
 
 class CaseAttachment(BaseModel):
@@ -90,7 +98,7 @@ class CaseApiResource(ConfigurableResource):
 
     @contextmanager
     def session(self) -> Iterator[CaseApiClient]:
-        with httpx.Client(base_url=self.base_url.rstrip("/") + "/", timeout=self.timeout_seconds,
+        with httpx.Client(base_url=self.base_url.rstrip("/") + "/", timeout=self.timeout_seconds, verify=_tls(),
                           headers={"Authorization": f"Bearer {self.token}"}) as http:
             yield CaseApiClient(http)
 
@@ -124,6 +132,6 @@ class MerchantMailResource(ConfigurableResource):
 
     @contextmanager
     def session(self) -> Iterator[MailClient]:
-        with httpx.Client(base_url=self.base_url.rstrip("/") + "/", timeout=self.timeout_seconds,
+        with httpx.Client(base_url=self.base_url.rstrip("/") + "/", timeout=self.timeout_seconds, verify=_tls(),
                           headers={"Authorization": f"Bearer {self.token}"}) as http:
             yield MailClient(http)

@@ -2,7 +2,8 @@
 
 It only reads (due jobs, breaker state, conversion runs in flight) and decides with
 :func:`assets.conversion.policy.dispatch`; runs do the work. Run keys are a counter kept in the
-cursor — never the wall clock (STYLE §6) — so a repeated evaluation of the same tick starts nothing twice.
+cursor (never below the number of conversion runs so far, and never the wall clock: STYLE §6), so a
+repeated evaluation of the same tick starts nothing twice and a reset cursor reuses no key.
 """
 
 # No `from __future__ import annotations`: Dagster reads resource types from live annotations.
@@ -37,8 +38,10 @@ def conversion_worker_sensor(minimum_interval_seconds: int = 15) -> dg.SensorDef
             filters=dg.RunsFilter(tags=TAGS, statuses=IN_FLIGHT))
         decision = policy.dispatch(
             due=due, in_flight=in_flight, concurrency=settings.worker_concurrency, breaker_open=state.is_open,
-            probe_due=breaker.probe_due(state, now, settings.breaker_policy()))
-        seq = int(context.cursor or 0)
+            probe_due=breaker.probe_due(state, now, settings.breaker_policy(runtime.time_scale)))
+        # Run keys count requests: the cursor, or the number of conversion runs the instance has ever seen if
+        # that is higher (a reset cursor must not reuse keys Dagster already launched, or no run would start).
+        seq = max(int(context.cursor or 0), context.instance.get_runs_count(filters=dg.RunsFilter(tags=TAGS)))
         requests = []
         if decision.probe:
             seq += 1

@@ -1,8 +1,10 @@
 """Sensors of the matching pipeline: queue depth → drain run; stuck in-progress documents → one alert each.
 
-Both only read and decide. The queue sensor's run keys count requests in its cursor (never the
-wall clock), so a re-evaluated tick cannot start a second run; a drain run already queued or
-running makes it skip, since one drain empties the queue.
+Both only read and decide. The queue sensor's run key numbers its requests (never the wall
+clock): one more than the drain runs it has requested so far (counted by tag in the instance,
+and kept in the cursor), so a tick evaluated twice before its run exists asks for the same key
+and Dagster starts it once. A drain run already queued or running makes it skip: one drain
+empties the queue.
 """
 
 # No `from __future__ import annotations`: Dagster reads config and resource types from live annotations.
@@ -22,6 +24,9 @@ ACTIVE = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.Dagste
           dg.DagsterRunStatus.STARTED]
 
 
+REQUESTED = {"matching/requested_by": "matching_queue_sensor"}
+
+
 def matching_queue_sensor(job: dg.JobDefinition, *, minimum_interval_seconds: int = 30,
                           max_concurrent: int = 1) -> dg.SensorDefinition:
     @dg.sensor(name="matching_queue_sensor", job=job, minimum_interval_seconds=minimum_interval_seconds,
@@ -35,11 +40,13 @@ def matching_queue_sensor(job: dg.JobDefinition, *, minimum_interval_seconds: in
                                            limit=max_concurrent)
         if len(active) >= max_concurrent:
             return dg.SkipReason(f"{depth.visible} visible; {len(active)} drain run(s) already active")
-        number = int(context.cursor or 0) + 1
+        requested = context.instance.get_runs_count(filters=dg.RunsFilter(job_name=job.name, tags=REQUESTED))
+        number = max(int(context.cursor or 0), requested) + 1
         return dg.SensorResult(
             run_requests=[dg.RunRequest(
                 run_key=run_key(PIPELINE, "queue", attempt=number, purpose="drain"),
-                tags={"redrive/pipeline": PIPELINE, "matching/visible_at_request": str(depth.visible)},
+                job_name=job.name,
+                tags={"redrive/pipeline": PIPELINE, **REQUESTED, "matching/visible_at_request": str(depth.visible)},
             )],
             cursor=str(number),
         )

@@ -32,6 +32,7 @@ class WorkerRunConfig(dg.Config):
     until_idle_sec: float | None = None  # default WORKER_IDLE_EXIT_SEC
     max_seconds: float | None = None  # default WORKER_MAX_RUN_SEC
     gateway_timeout_ms: float | None = None  # default GATEWAY_TIMEOUT_MS
+    idle_sleep_sec: float | None = None  # default WORKER_IDLE_SLEEP_SEC
 
 
 @dg.op(out=dg.Out(dict))
@@ -39,8 +40,8 @@ def convert_due_jobs(context: dg.OpExecutionContext, config: WorkerRunConfig, re
                      conversion: ConversionResource) -> dict:
     """Claims and converts due PDF jobs until none is left to claim, under leases, fencing and the circuit breaker."""
     settings = conversion.settings()
-    if config.gateway_timeout_ms:
-        settings = settings.model_copy(update={"gateway_timeout_ms": config.gateway_timeout_ms})
+    overrides = {"gateway_timeout_ms": config.gateway_timeout_ms, "worker_idle_sleep_sec": config.idle_sleep_sec}
+    settings = settings.model_copy(update={k: v for k, v in overrides.items() if v is not None})
     worker_id = f"dagster:{context.run_id[:8]}"
     shutdown = Shutdown(settings.worker_shutdown_grace_sec)
     worker = Worker(reliability.runtime(), conversion.gateway(settings.gateway_timeout_ms),
@@ -71,7 +72,7 @@ def probe_gateway(context: dg.OpExecutionContext, reliability: ReliabilityResour
     """003 §3.3 health probe: closes the open circuit breaker once the PDF gateway answers /health again."""
     runtime = reliability.runtime()
     settings = conversion.settings()
-    breaker = CircuitBreaker(runtime.engine, BREAKER, settings.breaker_policy(), runtime.clock)
+    breaker = CircuitBreaker(runtime.engine, BREAKER, settings.breaker_policy(runtime.time_scale), runtime.clock)
     gateway = conversion.gateway()
     try:
         outcome = breaker.probe(gateway.healthy)

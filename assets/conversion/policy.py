@@ -31,7 +31,7 @@ def upload_error(head: bytes, size: int, max_bytes: int) -> str | None:
     return None
 
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9._ -]+")
+_UNSAFE = re.compile(r"[^\w. -]+")  # letters of any script, digits, _ . - and space
 
 
 def display_name(name: str | None) -> str:

@@ -216,11 +216,13 @@ def events(conn: sa.Connection, job_id: str) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------- worker: claim
 
 # 003 §3.4: a short transaction (one statement) from `queued` where retryAfter is null or due, oldest
-# first, FOR UPDATE SKIP LOCKED; the claim bumps the lease epoch and logs the `processing` event.
+# first, FOR UPDATE SKIP LOCKED; the claim bumps the lease epoch and logs the `processing` event. While
+# the gateway's circuit breaker is open it claims nothing (003 §3.3 hold-queue), in the same statement.
 CLAIM_SQL = """\
 WITH candidate AS (
     SELECT id FROM conversion_jobs
     WHERE status = 'queued' AND (retry_after IS NULL OR retry_after <= :now)
+      AND NOT EXISTS (SELECT 1 FROM circuit_breakers WHERE name = :breaker AND state = 'open')
     ORDER BY created_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -259,10 +261,10 @@ WITH done AS (
 SELECT id FROM done"""
 
 
-def claim(conn: sa.Connection, worker: str, now: datetime, lease_ttl: float) -> Lease | None:
+def claim(conn: sa.Connection, worker: str, now: datetime, lease_ttl: float, breaker: str) -> Lease | None:
     row = conn.execute(
         sa.text(CLAIM_SQL),
-        {"now": now, "worker": worker, "lease_expires_at": now + timedelta(seconds=lease_ttl)},
+        {"now": now, "worker": worker, "lease_expires_at": now + timedelta(seconds=lease_ttl), "breaker": breaker},
     ).first()
     if row is None:
         return None

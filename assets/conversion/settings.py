@@ -66,12 +66,13 @@ class ConversionSettings(BaseSettings):
         """003 §3.2 on the core's policy: ``base · 2^k + uniform(0, jitter)`` (k = 1-based attempt − 1)."""
         return ExponentialPlusJitter(base=self.retry_base_delay_ms / 1000, jitter=self.retry_jitter_max_ms / 1000)
 
-    def breaker_policy(self) -> BreakerPolicy:
+    def breaker_policy(self, time_scale: float = 1.0) -> BreakerPolicy:
+        """003 §3.3 from the knobs; the cooldown is a wait, so the core's time scale shrinks it like a backoff."""
         return BreakerPolicy(
             window=self.circuit_window,
             failure_threshold=self.circuit_fail_threshold,
             min_calls=min(self.circuit_window, self.circuit_min_calls or max(1, self.circuit_window // 2)),
-            cooldown=self.circuit_cooldown_ms / 1000,
+            cooldown=self.circuit_cooldown_ms / 1000 * time_scale,
         )
 
     def gateway_base_url(self, core: Settings) -> str:

@@ -42,7 +42,7 @@ from assets.conversion import repository as repo
 from assets.conversion.files import FileStore
 from assets.conversion.settings import BREAKER, PIPELINE, ConversionSettings
 from redrive.alerts import Alert
-from redrive.breaker import CircuitBreaker, Transition
+from redrive.breaker import CircuitBreaker, Transition, counts_as_failure, record_call
 from redrive.budgets import decide
 from redrive.deadletters import FinalFailure
 from redrive.failures import Failure
@@ -158,34 +158,63 @@ class Shutdown:
 
 
 class LeaseKeeper:
-    """003 §3.5: extend the lease every WORKER_LEASE_EXTEND_SEC while a job runs, in a thread of its own."""
+    """003 §3.5: extend the held lease every WORKER_LEASE_EXTEND_SEC, from one thread per worker.
 
-    def __init__(self, worker: Worker, lease: repo.Lease) -> None:
-        self.worker, self.lease = worker, lease
-        self.lost = False
+    :meth:`release` waits for an extension in progress, so no extension ever races the final write
+    (which would be refused and look like a lost lease).
+    """
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
         self.extensions = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"lease-{lease.job_id[:8]}", daemon=True)
+        self._cond = threading.Condition()
+        self._lease: repo.Lease | None = None
+        self._due = 0.0
+        self._closed = False
+        self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> LeaseKeeper:
-        self._thread.start()
-        return self
+    def hold(self, lease: repo.Lease) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"lease-keeper-{self.worker.worker_id}",
+                                                daemon=True)
+                self._thread.start()
+            self._lease = lease
+            self._due = time.monotonic() + self.worker.settings.worker_lease_extend_sec
+            self._cond.notify()
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+    def release(self) -> None:
+        with self._cond:  # held by the keeper while it extends: returns only once no extension is running
+            self._lease = None
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._lease = None
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
         every = self.worker.settings.worker_lease_extend_sec
-        while not self._stop.wait(every):
-            try:
-                if self.worker.extend(self.lease):
-                    self.extensions += 1
-                else:
-                    self.lost = True
-                    return
-            except Exception:  # noqa: BLE001 - a missed extension is retried next period; the lease has slack
-                self.worker.log("lease_extend_error", job_id=self.lease.job_id, level=logging.WARNING)
+        with self._cond:
+            while not self._closed:
+                if self._lease is None:
+                    self._cond.wait()
+                    continue
+                remaining = self._due - time.monotonic()
+                if remaining > 0:
+                    self._cond.wait(remaining)
+                    continue
+                lease, self._due = self._lease, time.monotonic() + every
+                try:
+                    if self.worker.extend(lease):
+                        self.extensions += 1
+                    else:
+                        self._lease = None  # lost: the final write will be refused too, and say so
+                except Exception:  # noqa: BLE001 - a missed extension is retried next period; the lease has slack
+                    self.worker.log("lease_extend_error", job_id=lease.job_id, level=logging.WARNING)
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -223,10 +252,12 @@ class Worker:
     def __post_init__(self) -> None:
         self.engine: sa.Engine = self.reliability.engine
         self.clock = self.reliability.clock
-        self.breaker = CircuitBreaker(self.engine, BREAKER, self.settings.breaker_policy(), self.clock)
+        self.breaker = CircuitBreaker(self.engine, BREAKER, self.settings.breaker_policy(self.reliability.time_scale),
+                                      self.clock)
         self.backoff = self.settings.backoff()
         if self.log is None:
             self.log = JsonLog(self.worker_id)
+        self.keeper = LeaseKeeper(self)
         self._last_reclaim: float | None = None
         self._held_logged = False
 
@@ -256,20 +287,22 @@ class Worker:
                 self.shutdown.wait(self.settings.worker_idle_sleep_sec)  # 003 §3.4: none claimed, sleep ~1–2 s
         except ShutdownNow:
             pass  # the in-flight job was requeued in `process`
+        finally:
+            self.keeper.close()
         self.log("worker_stopped", **self.report.as_dict(), shutdown=self.shutdown.requested)
         return self.report
 
     def step(self) -> Literal["processed", "idle", "held"]:
-        """One turn: reclaim when due, respect the breaker, claim and process at most one job."""
+        """One turn: reclaim when due, claim and process at most one job; an open breaker holds the queue."""
         self.maybe_reclaim()
+        lease = self.claim()  # the claim itself refuses to dispatch while the breaker is open
+        if lease is not None:
+            self.process(lease)
+            return "processed"
         if not self.gate():
             return "held"
-        lease = self.claim()
-        if lease is None:
-            self.maybe_reclaim(force=True)
-            return "idle"
-        self.process(lease)
-        return "processed"
+        self.maybe_reclaim(force=True)
+        return "idle"
 
     # -- reclaim --------------------------------------------------------------------------------------
 
@@ -300,7 +333,10 @@ class Worker:
     # -- circuit breaker ------------------------------------------------------------------------------
 
     def gate(self) -> bool:
-        """003 §3.3 hold-queue mode: while the breaker is open nothing is claimed; probe once the cooldown passed."""
+        """003 §3.3 hold-queue mode, after a claim found nothing: open → probe once the cooldown passed.
+
+        True when the breaker is (or just became) closed, False while it holds the queue.
+        """
         state = self.breaker.state()
         if not state.is_open:
             self.log.breaker = "closed"
@@ -342,7 +378,7 @@ class Worker:
             return None  # 003 §3.5: stop claiming
         now = self.clock.now()
         with self.engine.begin() as conn:
-            lease = repo.claim(conn, self.worker_id, now, self.settings.worker_lease_ttl_sec)
+            lease = repo.claim(conn, self.worker_id, now, self.settings.worker_lease_ttl_sec, BREAKER)
         if lease is not None:
             self.report.claimed += 1
             self.log("job_claimed", job_id=lease.job_id, status="processing", attempt=lease.attempt, epoch=lease.epoch)
@@ -362,50 +398,60 @@ class Worker:
 
     def process(self, lease: repo.Lease) -> Outcome:
         start = time.perf_counter()  # durations are measurements, not decisions: the real clock
-        gateway_called = False
+        call_ms: float | None = None
         xml: bytes | None = None
         failure: Failure | None = None
-        with LeaseKeeper(self, lease):
-            try:
-                with self.shutdown.interruptible():
-                    try:
-                        pdf = self.files.read_source(lease.source_location)
-                    except FileNotFoundError as exc:
-                        raise SourceMissing() from exc
-                    gateway_called = True
-                    call_start = time.perf_counter()
-                    try:
-                        xml = self.gateway.convert(pdf)
-                    finally:
-                        call_ms = round((time.perf_counter() - call_start) * 1000, 2)
-                    policy.check_xml(xml)
-            except SourceMissing:
-                failure = SOURCE_MISSING
-            except (ShutdownNow, KeyboardInterrupt):
-                self.requeue(lease, "shutdown")
-                raise
-            except Exception as exc:  # noqa: BLE001 - every failure is classified, none escapes unnamed
-                failure = policy.classify(exc)
-            except BaseException:  # Dagster's interrupt on run termination, SystemExit…: requeue, then let it go
-                self.requeue(lease, "interrupted")
-                raise
+        self.keeper.hold(lease)
+        try:
+            with self.shutdown.interruptible():
+                try:
+                    pdf = self.files.read_source(lease.source_location)
+                except FileNotFoundError as exc:
+                    raise SourceMissing() from exc
+                call_start = time.perf_counter()
+                try:
+                    xml = self.gateway.convert(pdf)
+                finally:
+                    call_ms = round((time.perf_counter() - call_start) * 1000, 2)
+                policy.check_xml(xml)
+        except SourceMissing:
+            failure = SOURCE_MISSING
+            call_ms = None  # the gateway was never called: nothing for the breaker
+        except (ShutdownNow, KeyboardInterrupt):
+            self.keeper.release()
+            self.requeue(lease, "shutdown")
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure is classified, none escapes unnamed
+            failure = policy.classify(exc)
+        except BaseException:  # Dagster's interrupt on run termination, SystemExit…: requeue, then let it go
+            self.keeper.release()
+            self.requeue(lease, "interrupted")
+            raise
+        finally:
+            self.keeper.release()
         duration_ms = round((time.perf_counter() - start) * 1000, 1)
-        if gateway_called:  # 4xx and bad XML count as a healthy gateway; 5xx, timeouts, network errors do not
-            transition = (self.breaker.record(True, call_ms) if failure is None
-                          else self.breaker.record_failure(failure, call_ms))
-            if transition is not None and failure is not None:
-                self._breaker_opened(transition, failure)
         if failure is None:
             assert xml is not None
-            return self._complete(lease, xml, duration_ms)
-        return self._failed(lease, failure, duration_ms)
+            return self._complete(lease, xml, duration_ms, call_ms)
+        return self._failed(lease, failure, duration_ms, call_ms)
 
-    def _complete(self, lease: repo.Lease, xml: bytes, duration_ms: float) -> Outcome:
+    def _record_call(self, conn: sa.Connection, failure: Failure | None, call_ms: float | None) -> Transition | None:
+        """The gateway call into the breaker's window, in the same transaction as the job's final write.
+
+        4xx answers and bad XML count as a healthy gateway; 5xx, timeouts and network errors do not.
+        """
+        if call_ms is None:
+            return None
+        ok = failure is None or not counts_as_failure(failure)
+        return record_call(conn, BREAKER, ok, call_ms, self.clock.now(), self.breaker.policy)
+
+    def _complete(self, lease: repo.Lease, xml: bytes, duration_ms: float, call_ms: float | None) -> Outcome:
         staged = self.files.stage_result(lease.job_id, lease.epoch, xml)
         now = self.clock.now()
         published = False
         try:
             with self.engine.begin() as conn:
+                self._record_call(conn, None, call_ms)
                 if repo.complete(conn, lease, staged.location, now,
                                  {"worker": lease.worker, "epoch": lease.epoch, "duration_ms": duration_ms,
                                   "gateway_status": 200, "bytes": len(xml)}):
@@ -424,7 +470,7 @@ class Worker:
             self.reliability.succeeded(PIPELINE, lease.job_id)  # a retried or replayed job closes its dead letter
         return "succeeded"
 
-    def _failed(self, lease: repo.Lease, failure: Failure, duration_ms: float) -> Outcome:
+    def _failed(self, lease: repo.Lease, failure: Failure, duration_ms: float, call_ms: float | None) -> Outcome:
         now = self.clock.now()
         rng = self.reliability.rng_for(f"{PIPELINE}:{lease.job_id}:{STAGE}:{lease.attempt}")
         decision = decide(failure, lease.attempt, self.settings.retry_max_attempts, self.backoff, rng)
@@ -435,8 +481,11 @@ class Worker:
             wait = policy.scaled_seconds(decision.delay, self.reliability.time_scale)
             retry_at = now + timedelta(seconds=wait)
             with self.engine.begin() as conn:
+                transition = self._record_call(conn, failure, call_ms)
                 ok = repo.schedule_retry(conn, lease, failure.code, message, retry_at, now,
                                          {**meta, "delay_ms": round(wait * 1000, 1)})
+            if transition is not None:
+                self._breaker_opened(transition, failure)
             if not ok:
                 self._fenced(lease, "retry")
                 return "fenced"
@@ -446,7 +495,10 @@ class Worker:
                      retry_in_ms=round(wait * 1000, 1), level=logging.WARNING)
             return "retry"
         with self.engine.begin() as conn:
+            transition = self._record_call(conn, failure, call_ms)
             ok = repo.fail(conn, lease, failure.code, message, now, {**meta, "reason": decision.reason})
+        if transition is not None:
+            self._breaker_opened(transition, failure)
         if not ok:
             self._fenced(lease, "fail")
             return "fenced"

@@ -20,7 +20,9 @@ import sqlalchemy as sa
 from assets.criticizer import policy, repository
 from assets.criticizer.policy import PIPELINE, CritiqueRequest, InvalidRequest
 from assets.criticizer.repository import RequestIdConflict, UnknownRequest
+from assets.criticizer.settings import CriticizerSettings
 from redrive import checkpoints, deadletters
+from redrive.settings import Settings
 
 __all__ = ["InvalidRequest", "RequestIdConflict", "Status", "Submitted", "UnknownRequest", "status", "submit"]
 
@@ -50,12 +52,19 @@ class Status:
 
 
 def submit(engine: sa.Engine, request: Mapping[str, Any] | CritiqueRequest, *,
-           allowed_artifact_prefixes: Sequence[str] = ()) -> Submitted:
-    """Validate and store a request. Raises InvalidRequest (nothing stored) or RequestIdConflict."""
+           allowed_artifact_prefixes: Sequence[str] | None = None) -> Submitted:
+    """Validate and store a request. Raises InvalidRequest (nothing stored) or RequestIdConflict.
+
+    ``allowed_artifact_prefixes``: where artifacts may come from; None reads the configuration
+    (CRITICIZER_ARTIFACT_URL_PREFIXES, else the artifact store), ``()`` allows any http(s) URL.
+    """
+    if allowed_artifact_prefixes is None:
+        allowed_artifact_prefixes = CriticizerSettings().allowed_prefixes(Settings())
     parsed = policy.parse_request(request)
     if not policy.allowed_by(parsed.artifact_url, allowed_artifact_prefixes):
         raise InvalidRequest(
-            "invalid critique request: artifact_url: not in an allowed store (" + ", ".join(allowed_artifact_prefixes) + ")"
+            "invalid critique request: artifact_url: not in an allowed store ("
+            + ", ".join(allowed_artifact_prefixes) + ")"
         )
     with engine.begin() as conn:
         created = repository.create(
@@ -74,7 +83,8 @@ def status(engine: sa.Engine, request_id: str) -> Status:
         done = tuple(s for s in policy.STAGES if checkpoints.load(conn, PIPELINE, request_id, s) is not None)
     state = "dead_lettered" if letter is not None and row.status != repository.DONE else row.status
     return Status(
-        request_id=row.request_id, status=state, completed_stages=done, stage_attempts=dict(row.stage_attempts),
+        request_id=row.request_id, status=state, completed_stages=done,
+        stage_attempts={s: row.stage_attempts[s] for s in policy.STAGES if s in row.stage_attempts},
         critique=row.critique, dead_letter_id=letter.id if letter else None,
         error_class=letter.error_class if letter else None, failed_stage=letter.stage if letter else None,
     )

@@ -22,7 +22,6 @@ from typing import Annotated
 import typer
 
 from assets.criticizer import api, repository
-from assets.criticizer.settings import CriticizerSettings
 from redrive.db import database_session, engine_for
 from redrive.settings import Settings
 
@@ -77,11 +76,9 @@ def submit(
     request = {"artifact_url": artifact_url, "rubric": rubric, "webhook_url": webhook_url,
                "webhook_headers": parse_headers(header or [], header_from_env or []),
                "request_id": request_id, "tenant": tenant}
-    settings = Settings()
-    prefixes = CriticizerSettings().allowed_prefixes(settings)
     try:
-        with database_session(settings) as url:
-            submitted = api.submit(engine_for(url), request, allowed_artifact_prefixes=prefixes)
+        with database_session(Settings()) as url:
+            submitted = api.submit(engine_for(url), request)  # artifact stores from the configuration
     except (api.InvalidRequest, api.RequestIdConflict) as refused:
         fail(str(refused))
     if as_json:

@@ -34,7 +34,7 @@ from redrive import checkpoints
 from redrive.deadletters import FROM_START
 from redrive.failures import Failure
 from redrive.reliability import Reliability
-from redrive.stages import DeferredRetry, StagePolicy, Unit, run_stage
+from redrive.stages import EntityRunFields, StagePolicy, Unit, checkpointed_stage, entity_run_config
 from redrive.vocabularies import CRITICIZER
 from resources.criticizer import CriticizerHttpResource
 from resources.llm import LlmResource
@@ -63,22 +63,18 @@ POLICIES = {
 }
 
 
-class CriticizerConfig(dg.Config):
-    """Which request, and where this run stands: a durable retry's attempt, or a replay's starting point."""
+class CriticizerConfig(EntityRunFields):
+    """Which request; the core's fields say where this run stands (a durable retry's attempt, a replay)."""
 
     request_id: str
-    replay_from: str | None = None
-    replay_of: int | None = None
-    stage: str | None = None
-    attempt: int | None = None
-    prior_attempts: dict[str, int] = {}
+
+
+OPS = {stage: f"criticizer_{stage}" for stage in policy.STAGES}  # op names are unique in the code location
 
 
 def run_config(request_id: str, extra: Any) -> dict[str, Any]:
     """Run config for a request (the core's replay and durable-retry sensors call this too)."""
-    allowed = {k: v for k, v in dict(extra).items() if k in CriticizerConfig.model_fields}
-    cfg = {"request_id": request_id, **allowed}
-    return {"ops": {stage: {"config": cfg} for stage in policy.STAGES}}
+    return entity_run_config(CriticizerConfig, list(OPS.values()), **{**dict(extra), "request_id": request_id})
 
 
 def staged(
@@ -89,22 +85,16 @@ def staged(
     stage: str,
     work: Callable[[], dict[str, Any]],
 ) -> tuple[dict[str, Any], bool] | None:
-    """The stage's checkpoint (reused=True), or run the stage under its policy and checkpoint it.
+    """The core's `checkpointed_stage`, plus what the criticizer's dead letters and status show.
 
-    Returns None when the next attempt became a durable timer. CORE CANDIDATE: the rehearsal's
-    `staged` is the same idea; this one also records the attempts a completed stage took and
-    when the failure episode began, which any multi-stage pipeline wants in its dead letters.
+    Returns (output, reused) — reused when the stage's checkpoint was found and no work done — or
+    None when the next attempt became a durable timer. Adds: the attempts a completed stage took
+    (`stage_attempts`), and on a failure, when the failure episode began and the hashes of the
+    completed stages' outputs, into the unit's context before the core reads it for a dead letter.
     """
-    with runtime.engine.connect() as conn:
-        done = checkpoints.load(conn, PIPELINE, request.request_id, stage)
-        completed = {s: checkpoints.load(conn, PIPELINE, request.request_id, s) or {} for s in policy.STAGES
-                     if s != stage and s in request.stage_attempts}
-    if done is not None:
-        context.log.info(f"{stage}: reusing the checkpoint of {request.request_id}; nothing to do")
-        return done, True
-    context_for_dead_letter = policy.triage_context(
+    triage = policy.triage_context(
         request_id=request.request_id, artifact_url=request.artifact_url, rubric=request.rubric,
-        webhook_url=request.webhook_url, header_names=list(request.webhook_headers), completed=completed,
+        webhook_url=request.webhook_url, header_names=list(request.webhook_headers), completed={},
         failing_since=request.failing_since,
     )
     unit = Unit(
@@ -112,33 +102,43 @@ def staged(
         entity_ref=request.request_id,
         tenant=request.tenant,
         payload_ref=policy.payload_ref(request.request_id, request.fingerprint),
-        context=context_for_dead_letter,
+        context=triage,
         # completed stages' counts ride along into the dead letter's stage_attempts; the failing
         # stage's own count comes only from this run's config (a durable retry) and Dagster.
         prior_attempts={**{s: n for s, n in request.stage_attempts.items() if s != stage},
                         **{s: n for s, n in config.prior_attempts.items() if s == stage}},
     )
+    ran: list[bool] = []
 
     def tracked() -> dict[str, Any]:
+        ran.append(True)
         try:
             return work()
         except Exception:
-            with runtime.engine.begin() as conn:
-                since = repository.note_failure(conn, request.request_id, runtime.now())
-            # run_stage reads the unit's context after this failure: let it carry the episode's start
-            context_for_dead_letter["failing_since"] = since.isoformat()
+            # Only on the failure path: run_stage reads the unit's context after `work` fails, so
+            # what is added here reaches the dead letter.
+            try:
+                with runtime.engine.begin() as conn:
+                    since = repository.note_failure(conn, request.request_id, runtime.now())
+                    completed = {s: checkpoints.load(conn, PIPELINE, request.request_id, s) or {}
+                                 for s in request.stage_attempts if s != stage}
+                triage.update(policy.triage_context(
+                    request_id=request.request_id, artifact_url=request.artifact_url, rubric=request.rubric,
+                    webhook_url=request.webhook_url, header_names=list(request.webhook_headers),
+                    completed=completed, failing_since=since))
+            except Exception:  # noqa: BLE001 - bookkeeping must not replace the stage's own failure
+                context.log.warning(f"{stage}: could not record the failure of {request.request_id}")
             raise
 
-    try:
-        output = run_stage(context, runtime, unit, stage, POLICIES[stage], tracked)
-    except DeferredRetry:
+    output = checkpointed_stage(context, runtime, unit, stage, POLICIES[stage], tracked)
+    if output is None:
         return None
-    attempts = unit.prior_attempts.get(stage, 0) + context.retry_number + 1
-    with runtime.engine.begin() as conn:
-        checkpoints.save(conn, PIPELINE, request.request_id, stage, output)
-        repository.stage_done(conn, request.request_id, stage, attempts)
-    context.log.info(f"{stage} of {request.request_id} done in {attempts} attempt(s)")
-    return output, False
+    if ran:
+        attempts = unit.prior_attempts.get(stage, 0) + context.retry_number + 1
+        with runtime.engine.begin() as conn:
+            repository.stage_done(conn, request.request_id, stage, attempts)
+        context.log.info(f"{stage} of {request.request_id} done in {attempts} attempt(s)")
+    return output, not ran
 
 
 def _request(runtime: Reliability, request_id: str) -> repository.CritiqueRequestRow:
@@ -152,7 +152,7 @@ def _check_partition(context: dg.OpExecutionContext, request_id: str) -> None:
                          allow_retries=False)
 
 
-@dg.op(name="fetch", out=dg.Out(dict, is_required=False))
+@dg.op(name=OPS["fetch"], out=dg.Out(dict, is_required=False))
 def fetch_op(context: dg.OpExecutionContext, config: CriticizerConfig, reliability: ReliabilityResource,
              criticizer_http: CriticizerHttpResource):
     """Download the artifact under review (a code-review or document store; the sandbox locally)."""
@@ -173,7 +173,7 @@ def fetch_op(context: dg.OpExecutionContext, config: CriticizerConfig, reliabili
                                           "source": "checkpoint" if reused else "store"})
 
 
-@dg.op(name="llm", out=dg.Out(dict, is_required=False))
+@dg.op(name=OPS["llm"], out=dg.Out(dict, is_required=False))
 def llm_op(context: dg.OpExecutionContext, config: CriticizerConfig, reliability: ReliabilityResource,
            llm: LlmResource, fetched: dict):
     """Ask the LLM for a structured critique of the artifact against the rubric (validated with pydantic)."""
@@ -190,7 +190,7 @@ def llm_op(context: dg.OpExecutionContext, config: CriticizerConfig, reliability
                                           "source": "checkpoint" if reused else "llm"})
 
 
-@dg.op(name="notify")
+@dg.op(name=OPS["notify"])
 def notify_op(context: dg.OpExecutionContext, config: CriticizerConfig, reliability: ReliabilityResource,
               criticizer_http: CriticizerHttpResource, critiqued: dict) -> None:
     """Post the critique to the request's webhook and to Slack; completing closes a replayed dead letter."""

@@ -51,7 +51,8 @@ def classify_for_stage(exc: BaseException, stage: str) -> Failure:
     return classify(exc, idempotent=STAGE_IDEMPOTENT[stage])
 
 
-def next_attempt(failure: Failure, attempt: int, rng: random.Random, now: datetime) -> tuple[RetryDecision, datetime | None]:
+def next_attempt(failure: Failure, attempt: int, rng: random.Random,
+                 now: datetime) -> tuple[RetryDecision, datetime | None]:
     """§8.2/§8.3 for one stage: retry or stop after failed ``attempt``, and when the next one is due."""
     decision = decide(failure, attempt, MAX_ATTEMPTS_PER_STAGE, BACKOFF, rng)
     return decision, decision.retry_at(now)
@@ -213,7 +214,8 @@ def idempotency_key(request_id: str, critique_sha256: str) -> str:
     return f"criticizer:{request_id}:{critique_sha256[:16]}"
 
 
-def webhook_payload(request_id: str, artifact_url: str, critique: Mapping[str, Any], critique_sha256: str) -> dict[str, Any]:
+def webhook_payload(request_id: str, artifact_url: str, critique: Mapping[str, Any],
+                    critique_sha256: str) -> dict[str, Any]:
     """What the requester's webhook receives; `text` makes it a valid Slack-style webhook message too."""
     return {
         "text": headline(request_id, critique),

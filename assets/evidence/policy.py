@@ -417,6 +417,7 @@ class ArtifactWrite:
     last_retry_at: datetime | None  # None: leave as it is
     final: bool
     reason: str
+    decided_at: datetime
 
 
 def decide_write(planned: PlannedAttempt, outcome: AttemptOutcome, *, now: datetime, rng: random.Random,
@@ -431,7 +432,7 @@ def decide_write(planned: PlannedAttempt, outcome: AttemptOutcome, *, now: datet
     if outcome.attached:
         return ArtifactWrite(planned.artifact.id, ATTACHED, None, None, now, outcome.attachment_id, n, n - 1,
                              RETRY_SUCCESS if n > 1 else PENDING, None, last_retry_at, True,
-                             "recovered_by_lookup" if outcome.recovered_by_lookup else "attached")
+                             "recovered_by_lookup" if outcome.recovered_by_lookup else "attached", now)
     failure = outcome.failure
     assert failure is not None
     if replay:  # an operator's extra attempt: no automatic retries after it
@@ -443,7 +444,7 @@ def decide_write(planned: PlannedAttempt, outcome: AttemptOutcome, *, now: datet
         planned.artifact.id, FAILED, failure.code, failure.message[:500], None, None, n, n - 1,
         RETRY_FAILED if retry else PERMANENT_FAILED,
         now + timedelta(seconds=delay * time_scale) if retry else None,
-        last_retry_at, not retry, reason,
+        last_retry_at, not retry, reason, now,
     )
 
 

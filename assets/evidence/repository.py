@@ -237,8 +237,10 @@ class FileJob:
     artifact_count: int
     n1_requested_at: datetime | None
     n1_sent_at: datetime | None
+    n1_message_id: str | None
     n2_requested_at: datetime | None
     n2_sent_at: datetime | None
+    n2_message_id: str | None
     n2_forced: bool
 
     @classmethod
@@ -684,7 +686,9 @@ def requeue_due(conn: sa.Connection, *, now: datetime, rows: int, scan: int,
             file_job_row_id=b.id, case_id=b.case_id, artifacts=refs[b.id], retry_round=b.retry_round)
         values.append(_event_values(event, row=b.id, case=b.case_id, now=now))
         out.append(Requeued(b.id, b.file_job_id, event.event_id, per_row[b.id]))
-    conn.execute(insert(evidence_outbox).on_conflict_do_nothing(index_elements=["event_id"]), values)
+    # executemany with RETURNING: SQLAlchemy batches it as one multi-VALUES insert from a cached statement
+    conn.execute(insert(evidence_outbox).on_conflict_do_nothing(index_elements=["event_id"])
+                 .returning(evidence_outbox.c.event_id), values).all()
     return out
 
 

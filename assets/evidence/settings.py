@@ -28,7 +28,7 @@ class EvidenceSettings(BaseSettings):
 
     # --- 004 §3 scheduler -----------------------------------------------------------------------------
     scheduler_batch_rows: int = Field(default=200, ge=1, description="Rows requeued per scheduler tick at most.")
-    scheduler_scan_artifacts: int = Field(default=5000, ge=1,
+    scheduler_scan_artifacts: int = Field(default=1000, ge=1,
                                           description="Due artifacts read per tick to find those rows.")
     scheduler_interval_seconds: int = Field(default=60, ge=1)
 

@@ -36,6 +36,7 @@ from resources.evidence import CaseApiClient, MailClient
 log = logging.getLogger(__name__)
 
 UPLOAD_THREADS = 8
+OUTCOME_BATCH = 20  # outcomes per transaction; the claims make a lost batch cost lookups, not duplicates
 CONTENT_TYPES = {"pdf": "application/pdf", "png": "image/png", "jpg": "image/jpeg", "jpeg": "image/jpeg",
                  "gif": "image/gif", "txt": "text/plain", "csv": "text/csv", "html": "text/html"}
 
@@ -91,6 +92,7 @@ class AttachWorker:
         self.max_attempts = max_attempts
         self.hooks = hooks or WorkerHooks()
         self.run_id = run_id
+        self.replaying = False
 
     def process_event(self, event_id: UUID) -> RowResult:
         with self.runtime.engine.connect() as conn:
@@ -110,6 +112,7 @@ class AttachWorker:
                     event_id: UUID | None = None) -> RowResult:
         engine = self.runtime.engine
         result = RowResult(job_id, row_id, event_id)
+        self.replaying = mode == "replay"
         with engine.connect() as lock_conn, lock_conn.begin():
             if repo.lock_row(lock_conn, job_id, row_id) is None:
                 raise PermanentError(Failure.of(Code.INVARIANT_VIOLATION, message=f"no row {row_id} in {job_id}"))
@@ -118,10 +121,16 @@ class AttachWorker:
                                         mode=mode, now=self.runtime.now(), max_attempts=self.max_attempts)
             with engine.begin() as conn:  # committed before any call: the attempt is on record
                 repo.claim_attempts(conn, plan, self.runtime.now())
+            pending: list[policy.ArtifactWrite] = []
             for planned in plan:
                 outcome = self._attempt(planned)
                 self.hooks.after_case_api(planned.artifact.id, outcome)
-                result.results.append(self._record(planned, outcome, replay=mode == "replay"))
+                write, done = self._decide(planned, outcome, replay=mode == "replay")
+                pending.append(write)
+                result.results.append(done)
+                if len(pending) >= OUTCOME_BATCH:
+                    self._flush(pending)
+            self._flush(pending)
             now = self.runtime.now()
             summary = repo.refresh_row(lock_conn, job_id, row_id, now)
             if event_id is not None:
@@ -143,17 +152,35 @@ class AttachWorker:
                                         content_sha256=a.content_sha256 or "", s3_key=a.s3_key)
             return policy.AttemptOutcome(done.attachment_id)
         except Exception as exc:  # noqa: BLE001 - every failure is classified into 004's codes
-            return policy.AttemptOutcome(failure=EVIDENCE.apply(classify_exception(exc, now=self.runtime.now())))
+            failure = EVIDENCE.apply(classify_exception(exc, now=self.runtime.now()))
+        if failure.retryable and (planned.attempt >= self.max_attempts or self.replaying):
+            # The last attempt ended in an unknown outcome (a 5xx, a timeout, a lost answer): before calling
+            # it failed for good, ask whether it was attached after all, or N2 would report a file as failed
+            # that the case holds.
+            try:
+                found = self.case_api.lookup(a.id)
+            except Exception:  # noqa: BLE001 - the lookup is a courtesy; the failure stands
+                found = None
+            if found is not None:
+                return policy.AttemptOutcome(found.attachment_id, recovered_by_lookup=True)
+        return policy.AttemptOutcome(failure=failure)
 
-    def _record(self, planned: policy.PlannedAttempt, outcome: policy.AttemptOutcome, *,
-                replay: bool) -> contracts.EvidenceArtifactResult:
+    def _flush(self, pending: list[policy.ArtifactWrite]) -> None:
+        """Write outcomes in small batches. Until written, each artifact's committed claim stands for its
+        attempt: a crash here costs a lookup per artifact on the next run, never a second attachment."""
+        if pending:
+            with self.runtime.engine.begin() as conn:
+                for write in pending:
+                    repo.write_outcome(conn, write, write.decided_at)
+            pending.clear()
+
+    def _decide(self, planned: policy.PlannedAttempt, outcome: policy.AttemptOutcome, *,
+                replay: bool) -> tuple[policy.ArtifactWrite, contracts.EvidenceArtifactResult]:
         now = self.runtime.now()
         a = planned.artifact
         write = policy.decide_write(planned, outcome, now=now, rng=self.runtime.rng_for(f"evidence:{a.id}:{planned.attempt}"),
                                     time_scale=self.runtime.time_scale, max_attempts=self.max_attempts, replay=replay)
-        with self.runtime.engine.begin() as conn:
-            repo.write_outcome(conn, write, now)
-        return contracts.EvidenceArtifactResult(
+        return write, contracts.EvidenceArtifactResult(
             artifact_id=a.id, file_job_id=a.file_job_id, file_job_row_id=a.file_job_row_id, case_id=a.case_id,
             status=write.attachment_status, error_code=write.attachment_error_code, attempt=planned.attempt,
             final=write.final, recovered_by_lookup=outcome.recovered_by_lookup, occurred_at=now)
@@ -224,7 +251,7 @@ class NotificationSender:
             job = repo.get_file_job(conn, note.file_job_id, lock=True)
             assert job is not None
             already = (job.n1_sent_at if note.kind == "N1" else job.n2_sent_at) is not None
-            message_id = None
+            message_id = job.n1_message_id if note.kind == "N1" else job.n2_message_id
             if not already:
                 message_id = self.mail.send(to=note.to, subject=note.subject, text=note.text,
                                             token=note.idempotency_token)

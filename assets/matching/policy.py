@@ -132,11 +132,11 @@ class Embedder(Protocol):
 
 @dataclass(frozen=True)
 class HashedNgramEmbedder:
-    """Offline and deterministic: character 3- and 4-grams hashed (with a sign) into a fixed-size,
+    """Offline and deterministic: character 4-grams hashed (with a sign) into a fixed-size,
     L2-normalized vector. No model, no download; same text → same bytes on every machine."""
 
     dims: int = EMBEDDING_DIMS
-    ngrams: tuple[int, ...] = (3, 4)
+    ngrams: tuple[int, ...] = (4,)
 
     def embed(self, text: str) -> np.ndarray:
         data = np.frombuffer(f"  {_fold(_SPACE.sub(' ', text))}  ".encode(), dtype=np.uint8).astype(np.uint64)
@@ -212,9 +212,16 @@ class Prepared:
     bands: list[int]
 
 
+def embedding_text(doc: Mapping[str, Any]) -> str:
+    """What the embedding reads: the free text only (counterparty and description). Type, amount, date
+    and references are matched exactly or shown to the LLM; embedded, their shared template would make
+    every pair of documents look alike and flood the LSH bands."""
+    return f"{doc.get('counterparty') or ''} {doc.get('text') or ''}".strip()
+
+
 def prepare(doc: Mapping[str, Any], embedder: Embedder = DEFAULT_EMBEDDER) -> Prepared:
     text = searchable_text(doc)
-    vec = embedder.embed(text)
+    vec = embedder.embed(embedding_text(doc))
     return Prepared(text, normalize_counterparty(doc.get("counterparty")),
                     normalize_references(doc.get("references") or []), vec, lsh_bands(vec))
 

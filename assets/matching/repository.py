@@ -185,7 +185,7 @@ def _as_doc(row: Any) -> dict[str, Any] | None:
 # ------------------------------------------------------------------------------------------ retrieval
 
 # Each signal is a bounded index lookup; the union is re-ranked exactly in numpy (policy.rank_candidates).
-BY_COUNTERPARTY, BY_REFERENCES, BY_EMBEDDING = 100, 100, 200
+BY_COUNTERPARTY, BY_REFERENCES, BY_EMBEDDING = 100, 100, 100
 
 _RETRIEVE = sa.text(
     """
@@ -282,16 +282,14 @@ def write_matches(engine: sa.Engine, document_id: str, tenant: str, edges: Seque
     writer sees the first one's commit. The lock is held for milliseconds: the LLM call is outside.
     """
     hooks = hooks or WriteHooks()
+    others = sorted({e.b if e.a == document_id else e.a for e in edges})
     with engine.begin() as conn:
         conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_tenant_lock_key(tenant))))
         hooks.after_lock(conn)
-        own = conn.execute(
-            sa.select(document.c.cluster_id).where(document.c.id == document_id).with_for_update()
-        ).first()
-        if own is None:
+        current = _cluster_members(conn, tenant, [document_id, *others])
+        if document_id not in current:
             raise LookupError(f"document {document_id} vanished before its matches were written")
-        others = sorted({e.b if e.a == document_id else e.a for e in edges})
-        affected = _cluster_members(conn, tenant, [document_id, *others])
+        affected = set(current)
 
         conn.execute(sa.delete(document_match).where(
             sa.or_(document_match.c.document_a_id == document_id, document_match.c.document_b_id == document_id)))
@@ -302,31 +300,38 @@ def write_matches(engine: sa.Engine, document_id: str, tenant: str, edges: Seque
                  "reason": e.reason[:500], "created_at": now} for e in edges])
 
         links = _edges_within(conn, affected)
+        if affected - set(current):  # the closure reached documents outside the clusters read above
+            current.update(_clusters_by_id(conn, sorted(affected - set(current))))
         clusters = policy.connected_components(affected, links)
-        current = dict(conn.execute(
-            sa.select(document.c.id, document.c.cluster_id).where(document.c.id.in_(sorted(affected)))).all())
-        changes = [{"_id": d, "_cluster": c} for d, c in sorted(clusters.items()) if current.get(d) != c]
+        changes = sorted((d, c) for d, c in clusters.items() if current.get(d) != c)
         if changes:
-            conn.execute(
-                sa.update(document).where(document.c.id == sa.bindparam("_id"))
-                .values(cluster_id=sa.bindparam("_cluster"), updated_at=now),
-                changes,
-            )
+            conn.execute(_SET_CLUSTERS, {"ids": [d for d, _ in changes], "clusters": [c for _, c in changes],
+                                         "now": now})
         conn.execute(sa.update(document).where(document.c.id == document_id)
                      .values(matching_status=SUCCEEDED, updated_at=now))
     return WriteResult(edges=len(edges), affected=len(affected), cluster_id=clusters[document_id],
                        reassigned=len(changes), clusters=clusters)
 
 
-def _cluster_members(conn: sa.Connection, tenant: str, seeds: Sequence[str]) -> set[str]:
-    """The seeds and every member of their current clusters."""
-    cluster_ids = [r.cluster_id for r in conn.execute(
-        sa.select(document.c.cluster_id).where(document.c.id.in_(list(seeds)), document.c.cluster_id.is_not(None)))]
-    members = set(seeds)
-    if cluster_ids:
-        members |= {r.id for r in conn.execute(sa.select(document.c.id).where(
-            document.c.tenant == tenant, document.c.cluster_id.in_(sorted(set(cluster_ids)))))}
-    return members
+# One statement for all cluster changes, however large the cluster.
+_SET_CLUSTERS = sa.text(
+    "UPDATE document AS d SET cluster_id = v.cluster, updated_at = :now "
+    "FROM unnest(CAST(:ids AS text[]), CAST(:clusters AS text[])) AS v(id, cluster) WHERE d.id = v.id"
+)
+
+
+def _cluster_members(conn: sa.Connection, tenant: str, seeds: Sequence[str]) -> dict[str, str | None]:
+    """The seeds and every member of their current clusters, with their cluster ids, in one query."""
+    in_seeds = document.c.id.in_(list(seeds))
+    seed_clusters = sa.select(document.c.cluster_id).where(in_seeds, document.c.cluster_id.is_not(None))
+    rows = conn.execute(sa.select(document.c.id, document.c.cluster_id).where(
+        document.c.tenant == tenant, sa.or_(in_seeds, document.c.cluster_id.in_(seed_clusters))))
+    return {r.id: r.cluster_id for r in rows}
+
+
+def _clusters_by_id(conn: sa.Connection, ids: Sequence[str]) -> dict[str, str | None]:
+    rows = conn.execute(sa.select(document.c.id, document.c.cluster_id).where(document.c.id.in_(list(ids))))
+    return {r.id: r.cluster_id for r in rows}
 
 
 def _edges_within(conn: sa.Connection, nodes: set[str]) -> list[tuple[str, str]]:

@@ -156,19 +156,20 @@ class Worker:
         if doc is None:
             failure = MATCHING.apply(Failure.of(Code.NOT_FOUND, message="document not found"))
             letter = self._notify(body.document_id, None, failure, message.receive_count, message, stack="")
-            self.queue.delete(message.receipt_handle)
+            deleted = self._sqs(lambda: self.queue.delete(message.receipt_handle), f"delete of {body.document_id}")
             return Outcome(message.message_id, body.document_id, Action.FAILED, message.receive_count,
-                           code=failure.code, deleted=True, dead_letter_id=letter)
+                           code=failure.code, deleted=deleted, dead_letter_id=letter)
 
         calls = [0]
         try:
             edges = self.match(doc, message, calls)
         except Exception as exc:  # noqa: BLE001 - every failure is classified and decided on
             return self._after_failure(message, doc, classify(exc), exc, calls[0])
-        self.runtime.succeeded(PIPELINE, doc["id"])  # closes a replayed dead letter, if any
-        self.queue.delete(message.receipt_handle)
+        if doc["matching_error"] is not None:  # it failed before: close its (replayed) dead letter, if any
+            self.runtime.succeeded(PIPELINE, doc["id"])
+        deleted = self._sqs(lambda: self.queue.delete(message.receipt_handle), f"delete after success of {doc['id']}")
         return Outcome(message.message_id, doc["id"], Action.SUCCEEDED, message.receive_count,
-                       deleted=True, llm_calls=calls[0], edges=edges)
+                       deleted=deleted, llm_calls=calls[0], edges=edges)
 
     def match(self, doc: dict[str, Any], message: ReceivedMessage | None, calls: list[int]) -> int:
         """Pre-process (committed on its own), retrieve, decide, write; returns the number of edges."""
@@ -196,7 +197,7 @@ class Worker:
             return self.llm.chat_json(messages, schema, client=self.http)
 
         def on_retry(failure: Failure, attempt: int, delay: float) -> None:
-            self.log.warning(f"matching: {doc['id']} LLM attempt {attempt}/{self.config.llm_max_attempts} "
+            self.log.info(f"matching: {doc['id']} LLM attempt {attempt}/{self.config.llm_max_attempts} "
                              f"{failure.code}; retrying in {delay:g}s (unscaled)")
             if message is not None:  # keep the message hidden while we wait (heartbeat)
                 try:
@@ -223,8 +224,9 @@ class Worker:
             seconds = policy.visibility_seconds(delivery.delay, self.config.visibility_scale)
             with self.runtime.engine.begin() as conn:
                 repository.mark_waiting(conn, doc["id"], error, now)
-            self.queue.change_visibility(message.receipt_handle, seconds)
-            self.log.warning(f"matching: {doc['id']} delivery {message.receive_count} {failure.code}; "
+            self._sqs(lambda: self.queue.change_visibility(message.receipt_handle, seconds),
+                      f"visibility step of {doc['id']}")
+            self.log.info(f"matching: {doc['id']} delivery {message.receive_count} {failure.code}; "
                              f"visible again in {seconds}s")
             return Outcome(action=Action.RETRY_LATER, visibility=seconds, **base)
 
@@ -233,15 +235,28 @@ class Worker:
         letter = self._notify(doc["id"], doc["tenant"], failure, doc["matching_attempts"], message,
                               stack=sanitize_exception(exc), llm_calls=llm_calls, outcome=str(delivery.action))
         if delivery.action is Action.FAILED:
-            self.queue.delete(message.receipt_handle)
-            self.log.error(f"matching: {doc['id']} failed ({failure.code}, non-transient); message deleted")
-            return Outcome(action=Action.FAILED, deleted=True, dead_letter_id=letter, **base)
+            deleted = self._sqs(lambda: self.queue.delete(message.receipt_handle),
+                                f"delete after failure of {doc['id']}")
+            self.log.warning(f"matching: {doc['id']} failed ({failure.code}, non-transient); alerted, message deleted")
+            return Outcome(action=Action.FAILED, deleted=deleted, dead_letter_id=letter, **base)
         # Last delivery: keep the message. Visible at once, so the next receive moves it to the DLQ
         # (redrive policy) instead of 60 s from now.
-        self.queue.change_visibility(message.receipt_handle, 0)
-        self.log.error(f"matching: {doc['id']} failed after {message.receive_count} deliveries ({failure.code}); "
-                       "message left for the DLQ")
+        self._sqs(lambda: self.queue.change_visibility(message.receipt_handle, 0), f"release of {doc['id']}")
+        self.log.warning(f"matching: {doc['id']} failed after {message.receive_count} deliveries ({failure.code}); "
+                         "alerted, message left for the DLQ")
         return Outcome(action=Action.LEFT_FOR_DLQ, visibility=0, dead_letter_id=letter, **base)
+
+    def _sqs(self, call: Callable[[], None], what: str) -> bool:
+        """Carry out the decision on the message. The document's state is already recorded; if SQS refuses
+        (a receipt handle gone stale after a long delivery), the message comes back and the next delivery
+        repeats an idempotent outcome, so a failure here is logged, not raised."""
+        try:
+            call()
+            return True
+        except Exception as exc:  # noqa: BLE001 - at-least-once covers it
+            failure = classify(exc)
+            self.log.warning(f"matching: SQS {what} failed ({failure.code}); the message will be delivered again")
+            return False
 
     def _notify(self, document_id: str, tenant: str | None, failure: Failure, attempts: int,
                 message: ReceivedMessage, *, stack: str, llm_calls: int = 0, outcome: str = "failed") -> int:
@@ -261,9 +276,8 @@ class Worker:
 
     def _quarantine(self, message: ReceivedMessage, exc: ValidationError) -> Outcome:
         """Not a matching message at all: no delivery can fix it. Kept in the DLQ now, dead letter + alert."""
-        failure = Failure.of(Code.DATA_ERROR, message="malformed matching message (expected {\"document_id\": …})",
-                             detail=str(exc), retryable=False)
-        failure = failure.as_code(failure.code, retryable=False)
+        failure = MATCHING.apply(Failure.of(
+            Code.DATA_ERROR, message="malformed matching message (expected {\"document_id\": …})", detail=str(exc)))
         self.queue.move_to_dlq(message, f"{failure.code}: malformed matching message")
         recorded = self.runtime.fail_for_good(FinalFailure(
             pipeline=PIPELINE, stage="receive", entity_ref=f"sqs-message:{message.message_id}", failure=failure,

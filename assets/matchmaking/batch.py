@@ -56,7 +56,7 @@ class Knobs:
     seed: str = "yoked-matchmaking"
     offer_hour: int = 9
     chunk_size: int = 2000
-    pair_budget: int = 1_000_000
+    pair_budget: int = 262_144
     batch_pause_seconds: float = 0.0
     lock_timeout_ms: int = 10_000
     statement_timeout_ms: int = 120_000

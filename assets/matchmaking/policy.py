@@ -42,6 +42,7 @@ NAMESPACE = uuid.UUID("1b0e5a52-6c0f-5d8e-9a51-7d0f3c2b8e41")
 
 GENDER_BITS: Mapping[str, int] = {"f": 1, "m": 2, "x": 4}
 MIN_AGE = 18
+MAX_AGE = 120
 EARTH_RADIUS_KM = 6371.0088
 SCORE_SCALE = 1_000_000  # scores are kept as integer millionths
 _MASK64 = (1 << 64) - 1
@@ -178,9 +179,9 @@ class Pool:
 
     ids: np.ndarray  # str
     region: np.ndarray  # int32 block code; -1 for invalid users
-    gender: np.ndarray  # int64 bit
-    seeking: np.ndarray  # int64 bits
-    age: np.ndarray  # int64
+    gender: np.ndarray  # int8 bit
+    seeking: np.ndarray  # int8 bits
+    age: np.ndarray  # int16 (clipped; only valid profiles are scored)
     age_min: np.ndarray
     age_max: np.ndarray
     ux: np.ndarray  # unit vector on the sphere
@@ -230,6 +231,7 @@ def profile_problems(df: pd.DataFrame) -> dict[int, str]:
          "seeking must be a non-empty subset of f, m, x")
     flag(age_missing, "birth_date is missing")
     flag(~age_missing & (age < MIN_AGE), f"user is under {MIN_AGE} on the partition date")
+    flag(~age_missing & (age > MAX_AGE), f"birth_date is implausible (over {MAX_AGE} years)")
     flag(amin_missing | amax_missing | (amin < MIN_AGE) | (amin > amax),
          f"age range must satisfy {MIN_AGE} <= age_min <= age_max")
     flag(~(np.isfinite(lat) & np.isfinite(lon) & (np.abs(lat) <= 90) & (np.abs(lon) <= 180)),
@@ -274,14 +276,15 @@ def build_pool(df: pd.DataFrame) -> Pool:
                  0.0, math.pi * EARTH_RADIUS_KM)
     reach = 2.0 * np.sin(km / (2.0 * EARTH_RADIUS_KM))
     interests = pd.to_numeric(df["interests_bits"], errors="coerce").fillna(0).to_numpy(dtype=np.int64)
+    small = np.int16  # compact integer features: the eligibility matrix is memory-bound
     return Pool(
         ids=ids,
         region=region,
-        gender=_int(df, "gender_bits")[0],
-        seeking=_int(df, "seeking_bits")[0],
-        age=_int(df, "age")[0],
-        age_min=_int(df, "age_min")[0],
-        age_max=_int(df, "age_max")[0],
+        gender=_int(df, "gender_bits")[0].astype(np.int8),
+        seeking=_int(df, "seeking_bits")[0].astype(np.int8),
+        age=np.clip(_int(df, "age")[0], -1, 999).astype(small),
+        age_min=np.clip(_int(df, "age_min")[0], -1, 999).astype(small),
+        age_max=np.clip(_int(df, "age_max")[0], -1, 999).astype(small),
         ux=np.cos(lat) * np.cos(lon),
         uy=np.cos(lat) * np.sin(lon),
         uz=np.sin(lat),
@@ -354,27 +357,36 @@ class Offers:
 
 
 def _block_scores(pool: Pool, t: np.ndarray, c: np.ndarray, w: ScoringWeights, day_key: int) -> np.ndarray:
-    """Score (millionths) of every pair t × c; -1 where the pair is not mutually eligible."""
+    """Score (millionths) of every pair t × c; -1 where the pair is not mutually eligible.
+
+    Eligibility is decided on the whole matrix with cheap integer tests; the floating-point score is then
+    computed only for the eligible pairs (typically a fifth of them), as flat arrays.
+    """
     T, C = t[:, None], c[None, :]
-    eligible = (T != C)
-    eligible &= (pool.gender[C] & pool.seeking[T]) != 0
+    eligible = (pool.gender[C] & pool.seeking[T]) != 0
     eligible &= (pool.gender[T] & pool.seeking[C]) != 0
     eligible &= (pool.age[C] >= pool.age_min[T]) & (pool.age[C] <= pool.age_max[T])
     eligible &= (pool.age[T] >= pool.age_min[C]) & (pool.age[T] <= pool.age_max[C])
-    dx = pool.ux[T] - pool.ux[C]
-    dy = pool.uy[T] - pool.uy[C]
-    dz = pool.uz[T] - pool.uz[C]
+    eligible &= T != C
+    rows, cols = np.nonzero(eligible)
+    u, v = t[rows], c[cols]
+    dx = pool.ux[u] - pool.ux[v]
+    dy = pool.uy[u] - pool.uy[v]
+    dz = pool.uz[u] - pool.uz[v]
     d2 = dx * dx + dy * dy + dz * dz
-    reach2 = np.minimum(pool.reach2[T], pool.reach2[C])
-    eligible &= d2 <= reach2
-    inter = np.bitwise_count(pool.interests[T] & pool.interests[C]).astype(np.float64)
-    union = np.bitwise_count(pool.interests[T] | pool.interests[C]).astype(np.float64)
+    reach2 = np.minimum(pool.reach2[u], pool.reach2[v])
+    near_enough = d2 <= reach2
+    rows, cols, u, v, d2, reach2 = (a[near_enough] for a in (rows, cols, u, v, d2, reach2))
+    inter = np.bitwise_count(pool.interests[u] & pool.interests[v]).astype(np.float64)
+    union = np.bitwise_count(pool.interests[u] | pool.interests[v]).astype(np.float64)
     jaccard = np.divide(inter, union, out=np.zeros_like(inter), where=union > 0)
-    age_fit = np.maximum(0.0, 1.0 - np.abs(pool.age[T] - pool.age[C]).astype(np.float64) / w.age_span_years)
+    age_fit = np.maximum(0.0, 1.0 - np.abs(pool.age[u] - pool.age[v]).astype(np.float64) / w.age_span_years)
     near = 1.0 - np.sqrt(np.divide(d2, reach2, out=np.ones_like(d2), where=reach2 > 0))
-    variety = _variety_np(pool.key64[T], pool.key64[C], day_key)
+    variety = _variety_np(pool.key64[u], pool.key64[v], day_key)
     score = w.interests * jaccard + w.age * age_fit + w.distance * near + w.variety * variety
-    return np.where(eligible, np.rint(score * SCORE_SCALE).astype(np.int64), -1)
+    out = np.full(eligible.shape, -1, dtype=np.int64)
+    out[rows, cols] = np.rint(score * SCORE_SCALE).astype(np.int64)
+    return out
 
 
 def _top_k(scores: np.ndarray, t: np.ndarray, c: np.ndarray, k: int) -> Offers:
@@ -402,7 +414,7 @@ def _top_k(scores: np.ndarray, t: np.ndarray, c: np.ndarray, k: int) -> Offers:
 
 
 def compute_offers(pool: Pool, targets: Sequence[int] | np.ndarray, *, day: date, seed: str,
-                   weights: ScoringWeights, k: int, pair_budget: int = 1_000_000) -> Offers:
+                   weights: ScoringWeights, k: int, pair_budget: int = 262_144) -> Offers:
     """Offers of the given valid pool rows, vectorized per region in slices of at most ``pair_budget`` pairs."""
     targets = np.asarray(targets, dtype=np.int64)
     if len(targets) and not pool.valid[targets].all():
@@ -422,46 +434,52 @@ def compute_offers(pool: Pool, targets: Sequence[int] | np.ndarray, *, day: date
     return Offers.concat(parts)
 
 
-def reference_offers(pool: Pool, user: int, *, day: date, seed: str, weights: ScoringWeights,
-                     k: int) -> list[tuple[int, int, int]]:
-    """The specification, one user at a time in plain Python: [(candidate row, rank, score)].
+def reference_pair_score(pool: Pool, user: int, candidate: int, *, day_key: int,
+                         weights: ScoringWeights) -> int | None:
+    """The specification for one pair in plain Python: the score in millionths, or None if not mutually eligible.
 
     Tests and the benchmark's per-user baseline use it; :func:`compute_offers` must agree exactly.
     """
+    u, c = user, candidate
+    if u == c or not (pool.valid[u] and pool.valid[c]) or pool.region[u] != pool.region[c]:
+        return None
+    a, ac = int(pool.age[u]), int(pool.age[c])
+    if not (int(pool.gender[c]) & int(pool.seeking[u]) and int(pool.gender[u]) & int(pool.seeking[c])):
+        return None
+    if not (int(pool.age_min[u]) <= ac <= int(pool.age_max[u]) and int(pool.age_min[c]) <= a <= int(pool.age_max[c])):
+        return None
+    dx = float(pool.ux[u]) - float(pool.ux[c])
+    dy = float(pool.uy[u]) - float(pool.uy[c])
+    dz = float(pool.uz[u]) - float(pool.uz[c])
+    d2 = dx * dx + dy * dy + dz * dz
+    reach2 = min(float(pool.reach2[u]), float(pool.reach2[c]))
+    if not d2 <= reach2:
+        return None
+    bu, bc = int(pool.interests[u]), int(pool.interests[c])
+    union = (bu | bc).bit_count()
+    jaccard = float((bu & bc).bit_count()) / float(union) if union else 0.0
+    age_fit = max(0.0, 1.0 - float(abs(a - ac)) / weights.age_span_years)
+    near = 1.0 - math.sqrt(d2 / reach2) if reach2 > 0 else 0.0
+    variety = _variety_py(int(pool.key64[u]), int(pool.key64[c]), day_key)
+    score = weights.interests * jaccard + weights.age * age_fit + weights.distance * near + weights.variety * variety
+    return round(score * SCORE_SCALE)
+
+
+def select_top(pool: Pool, scored: Iterable[tuple[int, int]], k: int) -> list[tuple[int, int, int]]:
+    """[(candidate row, rank, score)] of the k best (candidate row, score) pairs: score, then candidate id."""
+    ordered = sorted(scored, key=lambda e: (-e[1], str(pool.ids[e[0]])))
+    return [(c, rank, s) for rank, (c, s) in enumerate(ordered[:k], start=1)]
+
+
+def reference_offers(pool: Pool, user: int, *, day: date, seed: str, weights: ScoringWeights,
+                     k: int) -> list[tuple[int, int, int]]:
+    """One user's offers, candidate by candidate in plain Python: [(candidate row, rank, score)]."""
     if not pool.valid[user]:
         raise ValueError("reference_offers got a user with an invalid profile")
     start, end = pool.blocks[int(pool.region[user])]
     day_key = date_key(seed, day)
-    g, s, a = int(pool.gender[user]), int(pool.seeking[user]), int(pool.age[user])
-    lo, hi = int(pool.age_min[user]), int(pool.age_max[user])
-    x, y, z, r2, bits = float(pool.ux[user]), float(pool.uy[user]), float(pool.uz[user]), float(
-        pool.reach2[user]), int(pool.interests[user])
-    ku = int(pool.key64[user])
-    scored = []
-    for c in range(start, end):
-        if c == user or not pool.valid[c]:
-            continue
-        ac = int(pool.age[c])
-        if not (int(pool.gender[c]) & s and g & int(pool.seeking[c])):
-            continue
-        if not (lo <= ac <= hi and int(pool.age_min[c]) <= a <= int(pool.age_max[c])):
-            continue
-        dx, dy, dz = x - float(pool.ux[c]), y - float(pool.uy[c]), z - float(pool.uz[c])
-        d2 = dx * dx + dy * dy + dz * dz
-        reach2 = min(r2, float(pool.reach2[c]))
-        if not d2 <= reach2:
-            continue
-        cb = int(pool.interests[c])
-        union = (bits | cb).bit_count()
-        jaccard = float((bits & cb).bit_count()) / float(union) if union else 0.0
-        age_fit = max(0.0, 1.0 - float(abs(a - ac)) / weights.age_span_years)
-        near = 1.0 - math.sqrt(d2 / reach2) if reach2 > 0 else 0.0
-        variety = _variety_py(ku, int(pool.key64[c]), day_key)
-        score = (weights.interests * jaccard + weights.age * age_fit + weights.distance * near
-                 + weights.variety * variety)
-        scored.append((round(score * SCORE_SCALE), str(pool.ids[c]), c))
-    scored.sort(key=lambda e: (-e[0], e[1]))
-    return [(c, rank, q) for rank, (q, _, c) in enumerate(scored[:k], start=1)]
+    scored = ((c, reference_pair_score(pool, user, c, day_key=day_key, weights=weights)) for c in range(start, end))
+    return select_top(pool, ((c, s) for c, s in scored if s is not None), k)
 
 
 # ---------------------------------------------------------------------------------------- invariants

@@ -43,7 +43,7 @@ class MatchmakingSettings(BaseSettings):
         description="Artifact-store path of the scoring weights JSON; unset: the built-in weights.",
     )
     chunk_size: int = Field(default=2000, ge=1, le=50_000, description="Users claimed, scored and written together.")
-    pair_budget: int = Field(default=1_000_000, ge=1_000,
+    pair_budget: int = Field(default=262_144, ge=1_000,
                              description="Candidate pairs scored at once (bounds memory: ~40 bytes a pair).")
     batch_pause_seconds: float = Field(default=0.0, ge=0.0,
                                        description="Pause between chunks, to spare a busy primary.")

@@ -66,9 +66,15 @@ def create(
                "recipients": recipient, "summary": summary}
     try:
         with engine() as eng:
-            submission = api.create_job(eng, request, instance=dagster_instance())
+            submission = api.submit(eng, request)
     except KNOWN_ERRORS as exc:
         fail(str(exc))
+    try:
+        instance = dagster_instance()
+        if instance is not None:
+            api.register_partition(instance, submission.job.key)
+    except Exception as exc:  # noqa: BLE001 - the job is saved; the pending-jobs sensor adds the partition
+        typer.echo(f"warning: partition not added now ({type(exc).__name__}); the sensor will add it", err=True)
     if as_json:
         typer.echo(json.dumps(submission.as_json()))
         return

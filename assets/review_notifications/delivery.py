@@ -152,7 +152,7 @@ class Deliverer:
         with self.engine.begin() as conn:
             repository.clear_markers(conn, row.id, episode=episode,
                                      note=f"{policy.ORDERING_VIOLATION}: reconciled in episode {episode}")
-        log.warning("%s: marked sent without provider evidence; requeued (episode %s)", ref, episode)
+        log.info("%s: marked sent without provider evidence; requeued (episode %s)", ref, episode)
 
     # -------------------------------------------------------------------------- §6.4 send-and-mark
 
@@ -178,23 +178,16 @@ class Deliverer:
 
     def _attempt(self, job: Job, delivery_id: int, report: DeliveryReport) -> str:
         """One attempt, always from a fresh read of the row (§6.4 "retries MUST re-read the outbox row first")."""
-        with self.engine.connect() as conn:
-            row = repository.get_delivery(conn, delivery_id)
-        action = policy.next_action(row.state)
-        if action is policy.Action.SKIP:
-            return "skipped"
-        if action is policy.Action.LOOKUP_FIRST:
+        with self.engine.begin() as conn:
+            row = repository.claim_for_send(conn, delivery_id)  # the row as it was, now marked `sending`
+        if row is None:
+            return "skipped"  # notified, failed or waived meanwhile
+        if policy.next_action(row.state) is policy.Action.LOOKUP_FIRST:
             found = self._evidence(row, report)
             if found is not None:
                 with self.engine.begin() as conn:
                     repository.mark_sent(conn, row.id, found.message_id, self.runtime.now())
                 return "backfilled"
-            if row.notification_id is not None:
-                with self.engine.begin() as conn:
-                    repository.forget_notification_id(conn, row.id)
-        with self.engine.begin() as conn:
-            if repository.claim_for_send(conn, row.id) is None:
-                return "skipped"  # notified or failed meanwhile
         subject, text = policy.render(job.changelist_id, job.review_version, job.summary)
         message_id = self.mail.send(OutgoingMail(to=row.recipient, subject=subject, text=text,
                                                  idempotency_token=row.provider_token))
@@ -255,7 +248,7 @@ class Deliverer:
         ))
         with self.engine.begin() as conn:
             repository.fail_delivery(conn, row.id, f"{err.failure.code}: {err.failure.message}")
-        log.warning("%s: %s; dead letter %s", ref, err.failure.code, recorded.dead_letter.id)
+        log.info("%s: %s; dead letter %s", ref, err.failure.code, recorded.dead_letter.id)
         return recorded.dead_letter.id
 
 

@@ -121,20 +121,20 @@ def build_job(knobs: ReviewNotificationSettings) -> dg.JobDefinition:
     @dg.op
     def finalize_job(context: dg.OpExecutionContext, config: ReviewNotificationConfig,
                      reliability: ReliabilityResource, delivered: dict) -> dict:
-        """§6.5: succeeded only when every required recipient has notified_at; closes replayed dead letters."""
+        """§6.5: succeeded only when every required recipient has notified_at; closes dead letters it settled."""
         runtime = reliability.runtime()
         key = context.partition_key
         with runtime.engine.begin() as conn:
             job = repository.job_by_key(conn, key)
             job = api.finalize(conn, job.id, runtime.now())
             replayed = deadletters.get(conn, config.replay_of) if config.replay_of is not None else None
-        if replayed is not None and policy.delivery_id_of(replayed.entity_ref) is not None:
-            with runtime.engine.connect() as conn:
-                row = repository.get_delivery(conn, policy.delivery_id_of(replayed.entity_ref) or 0)
-            if row.notified_at is not None:
-                runtime.succeeded(PIPELINE, replayed.entity_ref)
-        if job.status == policy.SUCCEEDED:
-            runtime.succeeded(PIPELINE, key)
+            row_id = policy.delivery_id_of(replayed.entity_ref) if replayed else None
+            row_sent = row_id is not None and repository.get_delivery(conn, row_id).notified_at is not None
+        if replayed is not None and row_sent:  # the replayed recipient is notified now
+            runtime.succeeded(PIPELINE, replayed.entity_ref)
+        # The send stage completed, so a dead letter of the job (its stage failing for good) is closed even
+        # when a recipient's own dead letter still keeps the job from succeeding.
+        runtime.succeeded(PIPELINE, key)
         context.log.info(f"{key}: {job.status} {job.result}")
         context.add_output_metadata({"status": job.status, **(job.result or {})})
         return job.as_json()

@@ -310,19 +310,27 @@ def get_delivery(conn: sa.Connection, delivery_id: int) -> Delivery:
     return Delivery.from_row(row)
 
 
-def claim_for_send(conn: sa.Connection, delivery_id: int) -> int | None:
-    """Record that a send is starting (status `sending`, attempts + 1), unless the row was notified meanwhile.
+def claim_for_send(conn: sa.Connection, delivery_id: int) -> Delivery | None:
+    """Record that a send is starting (status `sending`, attempts + 1) and return the row as it was before.
 
-    Not a "sent" mark: notified_at stays NULL. It tells the next attempt that a send may have
-    reached the provider, so that attempt looks the token up before it sends (§8.2 row 1).
+    One statement: re-read and claim (§6.4 "retries MUST re-read the outbox row first"). None when
+    the row is notified, failed or no longer required: nothing may be sent. The claim is not a
+    "sent" mark (notified_at stays NULL); it tells a later attempt that a send may have reached the
+    provider, so that attempt looks the token up before sending (§8.2 row 1).
     """
-    return conn.execute(
+    # The marker only chooses "look up first" over "send"; the provider's idempotency token already
+    # makes a resend harmless. So its commit need not wait for the WAL flush: only a crash of
+    # PostgreSQL itself can lose it, and then the resend is deduplicated by the provider.
+    conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
+    prev = sa.select(review_deliveries).where(review_deliveries.c.id == delivery_id).with_for_update().cte("prev")
+    row = conn.execute(
         sa.update(review_deliveries)
-        .where(review_deliveries.c.id == delivery_id, review_deliveries.c.notified_at.is_(None),
+        .where(review_deliveries.c.id == prev.c.id, review_deliveries.c.notified_at.is_(None),
                review_deliveries.c.status.in_((policy.D_PENDING, policy.D_SENDING)))
         .values(status=policy.D_SENDING, attempts=review_deliveries.c.attempts + 1, updated_at=sa.func.now())
-        .returning(review_deliveries.c.attempts)
-    ).scalar()
+        .returning(*prev.c)
+    ).first()
+    return Delivery.from_row(row) if row else None
 
 
 def mark_sent(conn: sa.Connection, delivery_id: int, notification_id: str, at: datetime) -> bool:
@@ -354,13 +362,6 @@ def clear_markers(conn: sa.Connection, delivery_id: int, *, episode: int, note: 
                 last_error=note, updated_at=sa.func.now())
     )
     return result.rowcount == 1
-
-
-def forget_notification_id(conn: sa.Connection, delivery_id: int) -> None:
-    """A partial row's notification_id the provider does not know: drop it before sending (§6.4)."""
-    conn.execute(sa.update(review_deliveries)
-                 .where(review_deliveries.c.id == delivery_id, review_deliveries.c.notified_at.is_(None))
-                 .values(notification_id=None, updated_at=sa.func.now()))
 
 
 def record_error(conn: sa.Connection, delivery_id: int, error: str) -> None:

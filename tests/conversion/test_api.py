@@ -150,7 +150,8 @@ def test_status_shows_the_banner_while_the_breaker_is_open(client, tokens, engin
 
 def test_a_database_outage_is_a_one_line_io_error(conv_settings, tokens, db_url, tmp_path) -> None:
     """When PostgreSQL is unreachable the user gets IO_ERROR in one line: no stack trace, no DSN, no path."""
-    broken = sa.create_engine(db_url.replace("?host=", "?port=1&host="), pool_pre_ping=False)
+    nowhere = sa.engine.make_url(db_url).set(host="127.0.0.1", port=1, query={})  # nothing listens on port 1
+    broken = sa.create_engine(nowhere, pool_pre_ping=False)
     client = TestClient(create_app(broken, conv_settings), raise_server_exceptions=False)
     response = client.get("/api/jobs", headers={"Authorization": f"Bearer {tokens['alice']}"})
     assert_one_line_error(response, 503, "IO_ERROR", tmp_path)

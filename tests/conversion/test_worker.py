@@ -134,3 +134,29 @@ def test_jitter_is_spread_across_jobs(reliability) -> None:
     assert len(delays) == 20
     assert all(5.0 <= d <= 10.0 for d in delays)
     assert random.Random(0).random() != random.Random(1).random()
+
+
+def test_every_worker_action_is_one_json_line_with_the_fields_of_003(engine, sandbox, submit, make_worker, clock,
+                                                                     caplog) -> None:
+    """003 §3.7: event, job_id, status, attempt, duration_ms, gateway_status, error_code and breaker state."""
+    import json
+    import logging
+
+    caplog.set_level(logging.INFO, logger="redrive.conversion.worker")
+    job_id = submit()
+    sandbox.script("pdf.convert", {"status": 502}, {"kind": "ok"})
+    worker = make_worker()
+    worker.step()
+    clock.advance(60)
+    worker.step()
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "redrive.conversion.worker"]
+    by_event = {line["event"]: line for line in lines}
+    retry, done = by_event["job_retry_scheduled"], by_event["job_completed"]
+    for line in (retry, done):
+        assert {"ts", "event", "job_id", "status", "attempt", "duration_ms", "gateway_status", "breaker",
+                "worker"} <= set(line)
+        assert line["job_id"] == job_id and line["breaker"] == "closed"
+    assert (retry["status"], retry["attempt"], retry["gateway_status"], retry["error_code"]) == ("queued", 1, 502,
+                                                                                                "GW_5XX")
+    assert (done["status"], done["attempt"], done["gateway_status"]) == ("succeeded", 2, 200)
+    assert [line["event"] for line in lines].count("job_claimed") == 2

@@ -11,7 +11,6 @@ from typer.testing import CliRunner
 from assets.criticizer import api, policy
 from assets.criticizer.cli import app
 from assets.criticizer.repository import criticizer_requests
-from tests.criticizer.conftest import sandbox_url
 
 SECRET = "hdr-canary-5e1f0a77"
 GOOD = {
@@ -20,6 +19,12 @@ GOOD = {
     "webhook_url": "http://hooks.test/requester/pr-1",
     "webhook_headers": {"Authorization": f"Bearer {SECRET}"},
 }
+
+
+@pytest.fixture(autouse=True)
+def allowed_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The configured artifact stores, as an operator sets them."""
+    monkeypatch.setenv("CRITICIZER_ARTIFACT_URL_PREFIXES", "http://store.test/store/, http://docs.test/")
 
 
 def rows(engine: sa.Engine) -> int:
@@ -75,10 +80,14 @@ def test_missing_fields_are_all_named(engine) -> None:
 
 def test_artifact_outside_the_allowed_stores_is_refused_at_submit(engine) -> None:
     """An artifact URL outside the configured stores (an SSRF attempt) is bad input, not a failed run."""
-    with pytest.raises(api.InvalidRequest, match="artifact_url: not in an allowed store"):
-        api.submit(engine, {**GOOD, "artifact_url": "http://169.254.169.254/latest/meta-data"},
-                   allowed_artifact_prefixes=["http://store.test/store/"])
-    assert rows(engine) == 0
+    with pytest.raises(api.InvalidRequest) as refused:
+        api.submit(engine, {**GOOD, "artifact_url": "http://169.254.169.254/latest/meta-data"})
+    assert str(refused.value) == ("invalid critique request: artifact_url: not in an allowed store "
+                                  "(http://store.test/store/, http://docs.test/)")
+    assert api.submit(engine, {**GOOD, "artifact_url": "http://docs.test/a.md"}).created
+    assert api.submit(engine, {**GOOD, "artifact_url": "http://anywhere.test/a.md"},
+                      allowed_artifact_prefixes=()).created  # an explicit "anywhere"
+    assert rows(engine) == 2
 
 
 def cli(db_url: str, *args: str, env: dict[str, str] | None = None):
@@ -87,7 +96,7 @@ def cli(db_url: str, *args: str, env: dict[str, str] | None = None):
 
 def test_command_submits_reads_header_from_env_and_shows_status(db_url, engine, stack) -> None:
     """`submit` stores the request (header value from an env var, not argv); `status` and `list` show it."""
-    artifact = sandbox_url("/store/reviews/cli.py")
+    artifact = "http://store.test/store/reviews/cli.py"
     out = cli(db_url, "submit", "--artifact-url", artifact, "--rubric", "Any bugs?", "--webhook-url",
               "http://hooks.test/requester/cli", "--header-from-env", "Authorization=CRIT_TEST_WEBHOOK_AUTH",
               "--header", "X-Team: reviews", "--request-id", "cli-1", "--json",

@@ -50,8 +50,8 @@ def test_replay_after_llm_exhaustion_runs_llm_and_notify_only(cdefs, run, submit
                instance.get_records_for_run(replay.run_id, of_type=dg.DagsterEventType.STEP_OUTPUT).records]
     sources = {e.step_key: e.dagster_event.step_output_data.metadata["source"].value for e in outputs
                if "source" in e.dagster_event.step_output_data.metadata}
-    assert sources == {"fetch": "checkpoint", "llm": "llm"}  # fetch did no work; llm (and notify) did
-    assert {e.step_key for e in outputs} == {"fetch", "llm", "notify"}
+    assert sources == {"criticizer_fetch": "checkpoint", "criticizer_llm": "llm"}  # fetch did no work
+    assert {e.step_key for e in outputs} == {"criticizer_fetch", "criticizer_llm", "criticizer_notify"}
     assert [r["step"] for r in sandbox.requests("llm")] == ["status:503"] * 5 + ["ok"]
     assert len(webhook_posts(sandbox, "replay-me")) == 1 and len(slack_posts(sandbox, RESULTS_PATH)) == 1
 

@@ -18,6 +18,7 @@ def _request(name: str) -> dict[str, object]:
 
 def test_submitted_requests_become_partitions_and_runs_once(cdefs, instance, engine, sandbox, submit) -> None:
     """Each submitted request gets a dynamic partition and one run keyed by request and attempt 1; then nothing."""
+    # (the `submit` fixture is used only for the LLM's default critique: these requests go through the API)
     for name in ("doc-a", "doc-b"):
         sandbox.put_store(f"reviews/{name}.md", b"# Title\nBody.", "text/markdown")
         api.submit(engine, _request(name))

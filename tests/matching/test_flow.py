@@ -10,6 +10,7 @@ from assets.matching import repository
 from assets.matching.policy import Action
 from redrive.schema import alerts, dead_letters
 from resources.llm import LlmResource
+from resources.matching import ReceivedMessage
 from tests.matching.conftest import (
     MATCH_FIRST,
     NO_MATCH,
@@ -248,6 +249,24 @@ def test_drain_processes_a_batch_and_stops_when_empty(engine, queue, sandbox, ma
     with engine.connect() as conn:
         assert repository.status_counts(conn, [f"b-{i}" for i in range(4)]) == {"succeeded": 4}
     assert queue.depth().visible == queue.depth().in_flight == 0
+
+
+def test_sqs_refusing_the_delete_after_success_leaves_the_message_for_an_idempotent_redelivery(
+        engine, queue, sandbox, make_worker) -> None:
+    """A stale receipt handle: the document stays succeeded, the message comes back, the redelivery is harmless."""
+    two_documents(engine, queue)
+    sandbox.set_default("llm", content=MATCH_FIRST)
+    real = receive_one(queue)
+    stale = ReceivedMessage(real.message_id, "stale-receipt-handle", real.body, real.receive_count)
+    worker = make_worker()
+    first = worker.handle(stale)
+    assert (first.action, first.deleted) == (Action.SUCCEEDED, False)
+    queue.change_visibility(real.receipt_handle, 0)  # SQS hands it out again
+    again = worker.handle(receive_one(queue))
+    assert (again.action, again.deleted) == (Action.SUCCEEDED, True)
+    with engine.connect() as conn:
+        assert repository.edges_of(conn, TENANT) == [("d-1", "d-2")]
+    assert row(engine, "d-2")["matching_attempts"] == 2
 
 
 def test_alert_only_once_per_failed_document(engine, queue, sandbox, make_worker) -> None:

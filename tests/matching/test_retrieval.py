@@ -65,7 +65,7 @@ def test_retrieval_query_uses_its_indexes_not_a_scan(engine, queue) -> None:
             sa.text("EXPLAIN " + str(repository._RETRIEVE)),
             {"id": "q", "tenant": TENANT, "counterparty": prepared.normalized_counterparty,
              "references": prepared.normalized_references, "bands": prepared.bands,
-             "k_counterparty": 100, "k_references": 100, "k_embedding": 200}))
+             "k_counterparty": 100, "k_references": 100, "k_embedding": 100}))
         found = repository.retrieve_candidates(conn, "q", TENANT, prepared)
     for index in ("ix_document_tenant_normalized_counterparty", "ix_document_normalized_references",
                   "ix_document_embedding_bands"):

@@ -64,6 +64,15 @@ def run(defs: dg.Definitions, instance: dg.DagsterInstance, key: str = KEY, *,
         partition_key=key, run_config=run_config, instance=instance, tags=dict(tags or {}), raise_on_error=False)
 
 
+def tick(defs: dg.Definitions, instance: dg.DagsterInstance, sensor_name: str) -> list[dg.RunRequest]:
+    """One daemon tick of a sensor. Unlike tests.dagster_helpers.tick it passes the repository, which Dagster
+    needs to resolve partitioned run requests (the replay of a matchmaking dead letter names its partition)."""
+    sensor = defs.resolve_sensor_def(sensor_name)
+    with dg.build_sensor_context(instance=instance, resources=defs.resources, sensor_name=sensor_name,
+                                 repository_def=defs.get_repository_def()) as context:
+        return list(sensor.evaluate_tick(context).run_requests or [])
+
+
 def launch(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest) -> dg.ExecuteInProcessResult:
     """A sensor's request as the daemon launches it: its job, config, tags, run key and partition."""
     tags = {**(request.tags or {}), **({"dagster/run_key": request.run_key} if request.run_key else {})}

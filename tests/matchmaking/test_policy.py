@@ -118,6 +118,7 @@ def test_eligibility_is_mutual() -> None:
     ({"seeking_unknown": True}, "seeking"),
     ({"age": None}, "birth_date"),
     ({"age": 17}, "under 18"),
+    ({"age": 130}, "implausible"),
     ({"age_min": 40, "age_max": 30}, "age range"),
     ({"age_min": 16}, "age range"),
     ({"latitude": 91.0}, "latitude"),

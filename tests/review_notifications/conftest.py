@@ -73,5 +73,6 @@ def tick(defs: Any, instance: Any, sensor_name: str) -> list[Any]:
     sensor = defs.resolve_sensor_def(sensor_name)
     with dg.partition_loading_context(dynamic_partitions_store=instance), \
             dg.build_sensor_context(instance=instance, resources=defs.resources, sensor_name=sensor_name,
-                                    repository_def=defs.get_repository_def()) as context:
+                                    repository_def=defs.get_repository_def(),
+                                    instance_ref=instance.get_ref()) as context:
         return list(sensor.evaluate_tick(context).run_requests or [])

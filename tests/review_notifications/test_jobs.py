@@ -200,3 +200,35 @@ def test_command_show_lists_rows_without_addresses_in_json_keys(engine, db_url) 
     assert shown["job_key"] == "CL-1:v3" and [d["status"] for d in shown["deliveries"]] == ["pending"] * 3
     missing = cli(db_url, "show", "CL-404:v1")
     assert missing.exit_code == 2 and "UNKNOWN_JOB" in missing.stderr
+
+
+def test_v3_and_v4_created_at_the_same_instant_never_leave_a_live_stale_version(engine) -> None:
+    """Racing v3 and v4: v3 is refused or superseded, never left pending beside v4 (the changelist lock)."""
+    import threading
+
+    outcomes = []
+    for i in range(8):
+        barrier = threading.Barrier(2)
+        got: dict[int, str] = {}
+
+        def create(version: int, cl: str = f"CL-race-{i}") -> None:
+            barrier.wait()
+            try:
+                got[version] = str(api.submit(engine, {**REQUEST, "idempotency_key": f"{cl}-{version}",
+                                                       "changelist_id": cl, "review_version": version}).mode)
+            except VersionRegression:
+                got[version] = "refused"
+
+        threads = [threading.Thread(target=create, args=(v,)) for v in (3, 4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with engine.connect() as conn:
+            statuses = dict(conn.execute(sa.select(repository.review_jobs.c.review_version, repository.review_jobs.c.status)
+                                         .where(repository.review_jobs.c.changelist_id == f"CL-race-{i}")).all())
+        assert statuses.get(4) == policy.PENDING
+        assert (got[3], statuses.get(3)) in {("refused", None), ("created", policy.SUPERSEDED)}
+        assert got[4] in {"created", "versioned_rerun"}
+        outcomes.append(got[3])
+    assert set(outcomes) <= {"refused", "created"}

@@ -87,7 +87,8 @@ def test_sensor_registers_partitions_of_jobs_created_without_an_instance(defs, i
     sensor = defs.resolve_sensor_def(SENSOR)
     with dg.partition_loading_context(dynamic_partitions_store=instance), \
             dg.build_sensor_context(instance=instance, resources=defs.resources, sensor_name=SENSOR,
-                                    repository_def=defs.get_repository_def()) as context:
+                                    repository_def=defs.get_repository_def(),
+                                    instance_ref=instance.get_ref()) as context:
         result = sensor.evaluate_tick(context)
     assert [r.partition_keys for r in result.dynamic_partitions_requests] == [["CL-1:v3"]]
     assert [r.partition_key for r in result.run_requests] == ["CL-1:v3"]
@@ -229,3 +230,23 @@ def test_long_retry_after_becomes_a_durable_timer_and_its_sensor_finishes_the_jo
     assert launch(defs, instance, req).success
     assert job_status(engine, "CL-1:v3") == policy.SUCCEEDED
     assert len(notifications(sandbox)) == 1
+
+
+def test_replayed_job_letter_closes_while_a_recipient_letter_keeps_the_job_open(defs, instance, engine, sandbox,
+                                                                               db_url) -> None:
+    """The job's stage completes on replay (its letter closes); the invalid recipient's own letter stays open."""
+    api.create_job(engine, request(recipients=["ana@example.com", "gone@invalid.example"]), instance=instance)
+    sandbox.script("mail.send", {"status": 401})
+    assert not run_partition(defs, instance, "CL-1:v3").success
+    [job_letter] = letters(engine)
+    with engine.begin() as conn:
+        deadletters.request_replay(conn, job_letter.id, evidence="INC-12: token rotated", confirm_safe=True,
+                                   at=SystemClock().now())
+    [req] = tick(defs, instance, "redrive_dead_letter_replays")
+    assert launch(defs, instance, req).success
+    by_entity = {row.entity_ref: row for row in letters(engine)}
+    assert by_entity["CL-1:v3"].status == "resolved"
+    recipient_letter = next(row for ref, row in by_entity.items() if ref != "CL-1:v3")
+    assert (recipient_letter.error_class, recipient_letter.status) == ("INVALID_RECIPIENT", "open")
+    assert job_status(engine, "CL-1:v3") == policy.RETRYABLE_FAILED
+    assert tick(defs, instance, "redrive_dead_letter_replays") == []  # nothing left replaying

@@ -14,6 +14,7 @@ from assets.review_notifications.delivery import Deliverer
 from redrive.failures import PermanentError
 from redrive.schema import alerts, dead_letters
 from redrive.settings import PROJECT_ROOT
+from resources.review_notifications import MailProvider
 from tests.review_notifications.conftest import RECIPIENTS, make_job, notifications, rows
 from tests.review_notifications.crash_worker import CRASHED
 
@@ -280,3 +281,19 @@ def test_one_deliverer_per_job(engine, sandbox, deliverer) -> None:
         assert held
         report = deliverer.deliver(job)
     assert report.busy and report.sent == 0 and sandbox.requests("mail.send") == []
+
+
+@pytest.mark.parametrize("step", [
+    {"kind": "timeout", "seconds": 1},  # no answer within our client timeout
+    {"kind": "reset"},  # the connection drops mid-response
+    {"kind": "malformed"},  # a 2xx whose body does not parse
+])
+def test_transport_faults_are_retried_and_end_in_one_email(engine, sandbox, runtime, clock, step) -> None:
+    """Timeouts, dropped connections and garbled answers are transient; the retry looks up first, then sends once."""
+    job = make_job(engine, recipients=RECIPIENTS[:1])
+    sandbox.script("mail.send", step)
+    with MailProvider(f"{os.environ['SANDBOX_URL']}/mail/v1", "sandbox-token", timeout_seconds=0.3) as quick:
+        report = Deliverer(engine, quick, runtime, sleep=clock.sleep).deliver(job)
+    assert (report.sent + report.backfilled, report.retries, report.transient) == (1, 1, None)
+    one_per_recipient(sandbox, recipients=RECIPIENTS[:1])
+    assert rows(engine, job.id)[0].status == "sent"

@@ -1,0 +1,163 @@
+"""Evidence demo: a ZIP in the inbox, attach through a flaky case API, retries via the outbox, N1/N2.
+
+Scripted faults (seeded): 503s and "accepted, answer lost" on the case API, one case deleted
+(CASE_NOT_FOUND → dead letter + alert), and a manifest with a malformed row, a missing file, a
+file of a refused type and a corrupted PDF. Sensors are ticked here as the daemon would tick them;
+backoff runs at the demo's time scale (5 min → 3 s), so the demo waits a few seconds for retries.
+Safe to run twice: the session id is in the upload's key and case ids, so each run is a new file job.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from typing import Any
+
+import dagster as dg
+import sqlalchemy as sa
+
+from assets.evidence import policy, service
+from assets.evidence import repository as repo
+from assets.evidence.settings import EvidenceSettings
+from resources.aws import ensure_bucket
+
+ROWS, PER_ROW = 6, 5
+FAULTS = {"503": 0.12, "effect_then_error": 0.08}  # per attach request, seeded
+
+
+def _pdf(label: str) -> bytes:
+    return b"%PDF-1.4\n% " + label.encode() + b"\n%%EOF\n"
+
+
+def _archive(session: str) -> tuple[bytes, list[str]]:
+    import csv
+    import io
+    import zipfile
+
+    cases = [str(uuid.uuid5(policy.NAMESPACE, f"demo-{session}-case-{i}")) for i in range(ROWS)]
+    files: dict[str, bytes] = {}
+    rows = []
+    for i, case in enumerate(cases):
+        names = [f"case{i}/doc-{k}.pdf" for k in range(PER_ROW)]
+        files.update({n: _pdf(f"{session}/{n}") for n in names})
+        rows.append([case, ";".join(names)])
+    rows[0][1] += ";case0/not-in-the-zip.pdf;case0/tool.exe"  # S3_NOT_FOUND, INVALID_FORMAT
+    files["case1/scan.pdf"] = b"GIF89a this is not a PDF"  # CORRUPTED_FILE
+    rows[1][1] += ";case1/scan.pdf"
+    rows.append(["not-a-case-id", "x.pdf"])  # a malformed row: INVALID_FORMAT, kept
+    text = io.StringIO()
+    csv.writer(text, lineterminator="\n").writerows([["case_id", "evidence_files"], *rows])
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("manifest.csv", text.getvalue())
+        for name, body in files.items():
+            zf.writestr(name, body)
+    return buf.getvalue(), cases
+
+
+class _Daemon:
+    """Ticks sensors as the daemon does (with an instance ref, so partitioned requests resolve; adding
+    the partitions they ask for) and launches their runs through the demo context, once per run key."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.cursors: dict[str, str | None] = {}
+        self.runs = 0
+
+    def tick(self, name: str, *, launch: bool = True) -> list[dg.ExecuteInProcessResult]:
+        sensor = self.ctx.defs.resolve_sensor_def(name)
+        with dg.build_sensor_context(instance_ref=self.ctx.instance.get_ref(), definitions=self.ctx.defs,
+                                     resources=self.ctx.defs.resources, sensor_name=name,
+                                     cursor=self.cursors.get(name)) as context:
+            data = sensor.evaluate_tick(context)
+        self.cursors[name] = data.cursor
+        for request in data.dynamic_partitions_requests or []:
+            self.ctx.instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        results = []
+        for request in data.run_requests or []:
+            if not launch:
+                continue
+            if request.run_key and self.ctx.instance.get_runs(
+                    filters=dg.RunsFilter(tags={"dagster/run_key": request.run_key})):
+                continue
+            tags = {**(request.tags or {}), "dagster/run_key": request.run_key or ""}
+            results.append(self.ctx.run(request.job_name, run_config=request.run_config, tags=tags,
+                                        partition_key=request.partition_key))
+            self.runs += 1
+        return results
+
+
+def run_demo(ctx):  # -> orchestration.demo.DemoReport
+    from orchestration.demo import DemoReport
+
+    report = DemoReport(service.PIPELINE)
+    evidence = EvidenceSettings()
+    bucket = evidence.bucket or ctx.settings.redrive_bucket
+    s3 = ctx.defs.resources["s3"].get_client()
+    ensure_bucket(s3, bucket)
+    data, cases = _archive(ctx.session)
+    key = f"{evidence.inbox_prefix}demo-{ctx.session}.zip"
+    s3.put_object(Bucket=bucket, Key=key, Body=data, Metadata={"notify-to": f"merchant-{ctx.session}@example.com"})
+    etag = str(s3.head_object(Bucket=bucket, Key=key)["ETag"]).strip('"')
+    job = policy.file_job_id(bucket, key, etag)
+
+    daemon = _Daemon(ctx)
+    ingested = [r for r in daemon.tick("evidence_inbox") if r.dagster_run.tags.get("dagster/partition") == str(job)]
+    assert ingested and ingested[0].success, "ingest run failed"
+    ctx.sandbox.mark_cases_missing(cases[-1])  # the last case was deleted: CASE_NOT_FOUND, dead letter, alert
+    ctx.sandbox.random_faults("case.attach", seed=4, rates=FAULTS)
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        runs = daemon.tick("evidence_outbox_publisher")
+        assert all(r.success for r in runs), "an evidence run failed"
+        daemon.tick("evidence_retry_scheduler")
+        with ctx.engine.connect() as conn:
+            open_events = conn.execute(sa.select(sa.func.count()).where(
+                repo.evidence_outbox.c.file_job_id == job,
+                repo.evidence_outbox.c.status.in_(("PENDING", "PUBLISHED")))).scalar()
+            next_due = conn.execute(sa.select(sa.func.min(repo.file_job_artifact.c.next_retry_at)).where(
+                repo.file_job_artifact.c.file_job_id == job,
+                repo.file_job_artifact.c.retry_status == "RETRY_FAILED")).scalar()
+            n2_sent = repo.get_file_job(conn, job).n2_sent_at
+        if n2_sent is not None and open_events == 0:
+            break
+        if not runs and next_due is not None:  # the retry's durable timer: wait for it, as the daemon would
+            with ctx.engine.connect() as conn:
+                wait = (next_due - conn.execute(sa.select(sa.func.now())).scalar()).total_seconds()
+            time.sleep(min(8.0, max(0.2, wait + 0.2)))
+    ctx.sandbox.stop_random_faults("case.attach")
+    metrics = ctx.run("evidence_metrics_job")
+
+    with ctx.engine.connect() as conn:
+        arts = conn.execute(sa.select(repo.file_job_artifact).where(repo.file_job_artifact.c.file_job_id == job)).all()
+        file_job = repo.get_file_job(conn, job)
+        letters = conn.execute(sa.text("SELECT id, error_class FROM dead_letters WHERE pipeline = 'evidence' "
+                                       "AND entity_ref LIKE :job"), {"job": f"{job}/%"}).all()
+        invalid_rows = conn.execute(sa.select(sa.func.count()).where(
+            repo.file_job_row.c.file_job_id == job, repo.file_job_row.c.row_status == "INVALID")).scalar()
+    attached = [a for a in arts if a.attachment_status == "ATTACHED"]
+    final = [a for a in arts if a.retry_status == "PERMANENT_FAILED" and a.attachment_status != "ATTACHED"]
+    assert len(attached) + len(final) == len(arts), "an artifact is still in flight"
+    assert file_job.n1_sent_at and file_job.n2_sent_at, "N1/N2 not sent"
+    tokens = Counter(m["idempotency_token"] for m in ctx.sandbox.effects("mail.send")
+                     if m["idempotency_token"].startswith(f"evidence:{job}:"))
+    assert tokens == {f"evidence:{job}:N1": 1, f"evidence:{job}:N2": 1}, tokens
+    keys = Counter(e["idempotency_key"] for e in ctx.sandbox.effects("case.attach"))
+    assert all(keys[str(a.id)] == 1 for a in attached), "an artifact was attached twice"
+    assert letters and metrics.success
+
+    report.done = len(attached)
+    report.retried = sum(1 for a in arts if a.attempt_count > 1)
+    report.dead_lettered = len(letters)
+    recovered = sum(1 for a in attached if a.attempt_count > 1)
+    lost = sum(1 for r in ctx.sandbox.requests("case.attach") if r["step"].startswith("effect_then_error"))
+    codes = Counter(a.attachment_error_code for a in final)
+    report.notes.append(f"file job {job}: {len(arts)} evidence files in {ROWS + 1} manifest rows "
+                        f"({invalid_rows} malformed row kept as INVALID_FORMAT); {daemon.runs} runs")
+    report.notes.append(f"{len(attached)} attached ({recovered} after a retry; {lost} 'accepted, answer lost' "
+                        f"found by lookup, none attached twice); failed for good: {dict(sorted(codes.items()))}")
+    report.notes.append(f"N1 and N2 sent once each to {file_job.notify_to}; "
+                        f"{len(letters)} row dead-lettered ({', '.join(sorted({l.error_class for l in letters}))}) "
+                        f"with an alert; replay with `redrive dlq replay <id>` once the case is restored")
+    return report

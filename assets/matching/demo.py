@@ -1,0 +1,126 @@
+"""Matching demo: documents of one tenant through the SQS worker, with faults scripted in the sandbox LLM.
+
+1. set-up creates the queue pair; ingestion publishes; the queue sensor starts the drain run;
+2. a 429 and a 503 are ridden out by in-process retries (2 s → 4 s, × the demo's time scale);
+3. a 401 fails a document at once: dead letter + Slack/email alert, message deleted;
+4. 503s on every call of three deliveries: visibility steps, then failed + alert, message in the DLQ
+   (this drain shrinks the 5/30 minute steps to 1 s/2 s with `visibility_scale`);
+5. a crashed worker's document is alerted by the stuck detector, re-queued by the operator;
+6. the 401 is replayed with `redrive dlq replay`'s API after "rotating the key" and resolves.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+from assets.matching import ingestion, repository
+from assets.matching.policy import PIPELINE
+from redrive import deadletters
+from redrive.clock import SystemClock
+
+MATCH_FIRST = json.dumps({"matches": [{"candidate": 1, "confidence": 0.91, "reason": "same purchase order"}]})
+FAST = {"wait_seconds": 0}
+
+
+def _drain(ctx, **config: Any):
+    result = ctx.run("matching_drain_job", run_config={"ops": {"drain_matching_queue": {"config": {**FAST, **config}}}})
+    assert result.success, "matching drain run failed"
+    output = next(e for e in result.all_events if e.event_type_value == "STEP_OUTPUT")
+    return result.output_for_node("drain_matching_queue"), output.event_specific_data.metadata["llm_calls"].value
+
+
+def run_demo(ctx):  # -> orchestration.demo.DemoReport
+    from orchestration.demo import DemoReport
+
+    report = DemoReport(PIPELINE)
+    tenant = f"demo-{ctx.session}"
+    ids = {k: f"{tenant}-{k}" for k in ("po-1001", "inv-1001", "dn-1001", "inv-3003", "inv-4004", "inv-5005")}
+    matching = ctx.defs.resources["matching"]
+    queue = matching.queue()
+
+    def document(key: str, doc_type: str, refs: list[str], text: str) -> dict[str, Any]:
+        return {"id": ids[key], "tenant": tenant, "doc_type": doc_type, "counterparty": "ACME GmbH",
+                "references": refs, "amount": "1200.00", "currency": "EUR", "document_date": "2026-02-20",
+                "text": text}
+
+    assert ctx.run("matching_setup_job").success, "queue set-up failed"
+    ctx.sandbox.set_default("llm", content=MATCH_FIRST)
+
+    # 1. the first document: no candidates yet, no LLM call; the queue sensor requests the drain
+    ingestion.ingest(ctx.engine, queue, [document("po-1001", "purchase_order", ["PO-1001"], "40 steel beams")])
+    runs = ctx.tick("matching_queue_sensor")
+    assert runs and all(r.success for r in runs), "the queue sensor did not start a successful drain"
+
+    # 2. invoice and delivery note for that order; the LLM answers 429 then 503 first
+    ctx.sandbox.script("llm", {"status": 429, "headers": {"Retry-After": "2"}}, {"status": 503})
+    ingestion.ingest(ctx.engine, queue, [
+        document("inv-1001", "invoice", ["INV-1001", "PO-1001"], "invoice for 40 steel beams"),
+        document("dn-1001", "delivery_note", ["DN-1001", "PO-1001"], "delivered 40 steel beams"),
+    ])
+    counts, calls = _drain(ctx)
+    assert counts == {"succeeded": 2} and calls == 4, f"retry drain: {counts}, {calls} LLM calls"
+    with ctx.engine.connect() as conn:
+        clusters = repository.clusters_of(conn, tenant)
+        assert len({clusters[ids[k]] for k in ("po-1001", "inv-1001", "dn-1001")}) == 1
+        assert repository.cluster_inconsistencies(conn, tenant) == []
+    report.done += 3
+    report.retried += calls - 2
+    report.notes.append(f"{ids['inv-1001']}, {ids['dn-1001']}: 429 (Retry-After 2) and 503 retried in process; "
+                        f"matched with {ids['po-1001']} into one cluster")
+
+    # 3. a 401: non-transient, failed at once
+    ctx.sandbox.script("llm", {"status": 401})
+    ingestion.ingest(ctx.engine, queue, [document("inv-3003", "invoice", ["INV-3003"], "steel beams, second lot")])
+    counts, _ = _drain(ctx)
+    assert counts == {"failed": 1}, counts
+    with ctx.engine.connect() as conn:
+        denied = deadletters.active_for(conn, PIPELINE, ids["inv-3003"])
+    assert denied is not None and denied.error_class == "AUTH_DENIED"
+    report.dead_lettered += 1
+
+    # 4. 503 on every call of three deliveries: 5 min → 30 min visibility (1 s → 2 s here), then the DLQ
+    ctx.sandbox.script("llm", *[{"status": 503}] * 9)
+    ingestion.ingest(ctx.engine, queue, [document("inv-4004", "invoice", ["INV-4004"], "steel beams, third lot")])
+    counts, calls = _drain(ctx, wait_seconds=3, visibility_scale=0.001)
+    assert counts == {"retry_later": 2, "left_for_dlq": 1} and calls == 9, f"DLQ drain: {counts}, {calls}"
+    with ctx.engine.connect() as conn:
+        parked = repository.get(conn, ids["inv-4004"])
+    assert parked and (parked["matching_status"], parked["matching_attempts"]) == ("failed", 3)
+    in_dlq = [json.loads(m.body).get("document_id") for m in queue.receive(10, 0, dlq=True, visibility_timeout=0)]
+    assert ids["inv-4004"] in in_dlq, "the message did not reach the DLQ"
+    report.retried += 6 + 2  # in-process retries (2 per delivery) and two SQS redeliveries
+    report.dead_lettered += 1
+    report.notes.append(f"{ids['inv-4004']}: 3 deliveries × 3 LLM attempts of 503, visibility 1 s then 2 s "
+                        "(5/30 min scaled), failed + alert, message in the DLQ")
+
+    # 5. a worker crashed mid-delivery 11 minutes ago: the stuck detector alerts once; the operator re-queues
+    ingestion.ingest(ctx.engine, queue, [document("inv-5005", "invoice", ["INV-5005"], "steel beams, fourth lot")])
+    [taken] = queue.receive(1, 0)  # the crashed worker took the message on its last delivery …
+    queue.delete(taken.receipt_handle)  # … and it is gone (in production: in the DLQ)
+    with ctx.engine.begin() as conn:
+        repository.mark_in_progress(conn, ids["inv-5005"], SystemClock().now() - timedelta(minutes=11))
+    ctx.tick("matching_stuck_documents")
+    ctx.tick("matching_stuck_documents")  # a second tick: no second alert
+    requeue = {"ops": {"requeue_for_matching": {"config": {"document_ids": [ids["inv-5005"]]}}}}
+    assert ctx.run("matching_requeue_job", run_config=requeue).success
+
+    # 6. the LLM key is rotated; the 401 is replayed through the dead-letter replay sensor
+    with ctx.engine.begin() as conn:
+        deadletters.request_replay(conn, denied.id, evidence="DEMO-6: LLM API key rotated", confirm_safe=True,
+                                   at=SystemClock().now(), operator="demo")
+    replays = ctx.tick("redrive_dead_letter_replays")
+    assert replays and all(r.success for r in replays), "replay run failed"
+    counts, _ = _drain(ctx)
+    assert counts == {"succeeded": 2}, counts
+    with ctx.engine.connect() as conn:
+        closed = deadletters.get(conn, denied.id)
+        statuses = repository.status_counts(conn, ids.values())
+    assert closed is not None and closed.status == "resolved"
+    assert statuses == {"succeeded": 5, "failed": 1}, statuses
+    report.done += 2
+    report.notes.append(f"{ids['inv-3003']}: 401 → failed, dead letter {denied.id} + alert, message deleted; "
+                        f"replayed after the key rotation → {closed.status}")
+    report.notes.append(f"{ids['inv-5005']}: in-progress 11 min (crashed worker) → one stuck alert; re-queued → done")
+    return report

@@ -1,0 +1,135 @@
+"""Review notifications demo: lost responses and outages retried, an invalid recipient dead-lettered and
+waived, a row "marked sent" that the provider never saw reconciled with one Slack alert, and versions
+v3 → v3 (no-op), v3 → v4 (everyone again), v4 → v3 (refused). One email per recipient per version.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dagster as dg
+import sqlalchemy as sa
+
+from assets.review_notifications import api, policy, repository
+from assets.review_notifications.pipeline import JOB_NAME
+from redrive import deadletters
+from redrive.schema import alerts
+
+SENSOR = f"{policy.PIPELINE}_pending_jobs"
+REVIEWERS = ["ana@example.com", "bo@example.com", "cy@example.com"]
+UNDELIVERABLE = "dd@invalid.example"  # the sandbox's provider answers 422 INVALID_RECIPIENT for this domain
+
+
+def _tick(ctx: Any, sensor_name: str) -> dict[str | None, dg.ExecuteInProcessResult]:
+    """`ctx.tick` for sensors whose requests name a partition, as the daemon runs them: partitions the
+    sensor asks for are added, then each new run key is run. Results by partition key.
+
+    Marked for the core: DemoContext.tick passes no repository and ignores partition requests, so
+    it cannot run a partitioned request (this pipeline's, or the replay sensor's for this pipeline).
+    """
+    sensor = ctx.defs.resolve_sensor_def(sensor_name)
+    with dg.partition_loading_context(dynamic_partitions_store=ctx.instance), \
+            dg.build_sensor_context(instance=ctx.instance, resources=ctx.defs.resources, sensor_name=sensor_name,
+                                    repository_def=ctx.defs.get_repository_def(),
+                                    instance_ref=ctx.instance.get_ref()) as context:
+        result = sensor.evaluate_tick(context)
+    for add in result.dynamic_partitions_requests or []:
+        ctx.instance.add_dynamic_partitions(add.partitions_def_name, list(add.partition_keys or []))
+    results = {}
+    for request in result.run_requests or []:
+        if request.run_key and ctx.instance.get_runs(filters=dg.RunsFilter(tags={"dagster/run_key": request.run_key})):
+            continue
+        tags = {**(request.tags or {}), **({"dagster/run_key": request.run_key} if request.run_key else {})}
+        results[request.partition_key] = ctx.run(request.job_name or JOB_NAME, run_config=request.run_config,
+                                                 tags=tags, partition_key=request.partition_key)
+    return results
+
+
+def _mine(ctx: Any, changelist: str, version: int, recipients: list[str]) -> list[int]:
+    """How many emails the provider accepted for each (recipient, version) of this changelist."""
+    tokens = [e["idempotency_token"] for e in ctx.sandbox.effects("mail.send")]
+    return [tokens.count(policy.provider_token(changelist, r, version)) for r in recipients]
+
+
+def run_demo(ctx):  # -> orchestration.demo.DemoReport
+    from orchestration.demo import DemoReport
+
+    report = DemoReport(policy.PIPELINE)
+    engine: sa.Engine = ctx.engine
+    cl, cl_b = f"CL-{ctx.session}", f"CL-{ctx.session}-b"
+
+    _tick(ctx, SENSOR)  # jobs a crashed earlier demo left pending run now, not into the faults scripted below
+
+    # 1. v3 of a changelist: the provider is flaky (503, 429, then accepts but loses its answer),
+    #    and one address is undeliverable.
+    v3 = api.create_job(engine, {"idempotency_key": f"{ctx.session}-1", "changelist_id": cl, "review_version": 3,
+                                 "recipients": [*REVIEWERS, UNDELIVERABLE], "summary": "LGTM, two nits."},
+                        instance=ctx.instance)
+    mark = max((r["seq"] for r in ctx.sandbox.requests("mail.send")), default=0)
+    ctx.sandbox.script("mail.send", {"status": 503}, {"status": 429, "headers": {"Retry-After": "1"}},
+                       {"kind": "effect_then_error", "status": 500})
+    run = _tick(ctx, SENSOR)[v3.job.key]
+    assert run.success, "v3 run failed"
+    transient = [r for r in ctx.sandbox.requests("mail.send")
+                 if r["seq"] > mark and r["status"] is not None and (r["status"] == 429 or r["status"] >= 500)]
+    assert len(transient) == 3 and _mine(ctx, cl, 3, REVIEWERS) == [1, 1, 1]
+    report.retried += len(transient)  # each one was retried: two in process, the last by the stage
+    with engine.connect() as conn:
+        invalid = next(d for d in repository.deliveries_of(conn, v3.job.id) if d.recipient == UNDELIVERABLE)
+        letter = deadletters.active_for(conn, policy.PIPELINE, policy.delivery_ref(v3.job.key, invalid.id))
+        assert repository.job_by_key(conn, v3.job.key).status == policy.RETRYABLE_FAILED
+    assert letter is not None and letter.error_class == "INVALID_RECIPIENT", "invalid recipient not dead-lettered"
+    report.dead_lettered += 1
+    report.notes.append(f"{v3.job.key}: 503 + 429 retried in process, the lost 500 response found by token lookup "
+                        f"(backfilled, not resent); {ctx.retries_in(run)} stage retry")
+    report.notes.append(f"{letter.entity_ref}: INVALID_RECIPIENT → dead letter {letter.id} + alert; "
+                        "job waits (retryable_failed)")
+
+    # 2. The operator drops the undeliverable recipient: the job succeeds.
+    delivery_id = invalid.id
+    job = api.waive(engine, delivery_id, note="DEMO-2: address no longer exists", operator="demo")
+    assert job.status == policy.SUCCEEDED
+    report.done += 1
+    report.notes.append(f"{v3.job.key}: recipient waived (`cli waive {delivery_id}`), dead letter resolved → "
+                        "succeeded")
+
+    # 3. v3 → v3 is a no-op with the prior result; v3 → v4 mails every reviewer again; v4 → v3 is refused.
+    noop = api.create_job(engine, {"idempotency_key": f"{ctx.session}-2", "changelist_id": cl, "review_version": 3,
+                                   "recipients": REVIEWERS}, instance=ctx.instance)
+    assert noop.mode is policy.Mode.NOOP and noop.job.result is not None
+    v4 = api.create_job(engine, {"idempotency_key": f"{ctx.session}-3", "changelist_id": cl, "review_version": 4,
+                                 "recipients": REVIEWERS, "summary": "Re-reviewed after the fix."},
+                        instance=ctx.instance)
+    assert v4.mode is policy.Mode.VERSIONED_RERUN
+    run = _tick(ctx, SENSOR)[v4.job.key]
+    assert run.success
+    try:
+        api.create_job(engine, {"idempotency_key": f"{ctx.session}-4", "changelist_id": cl, "review_version": 3,
+                                "recipients": REVIEWERS}, instance=ctx.instance)
+        raise AssertionError("v4 → v3 was not refused")
+    except policy.VersionRegression as refused:
+        refusal = str(refused).split(":")[0]
+    assert _mine(ctx, cl, 3, REVIEWERS) == [1, 1, 1] and _mine(ctx, cl, 4, REVIEWERS) == [1, 1, 1]
+    report.done += 1
+    report.notes.append(f"{cl}: v3 → v3 no-op (prior result returned), v3 → v4 sent to all 3 again under new "
+                        f"keys, v4 → v3 refused ({refusal}); one email per recipient per version")
+
+    # 4. A row "marked sent" that the provider never saw (a send-after-mark bug): reconciled before any send.
+    b = api.create_job(engine, {"idempotency_key": f"{ctx.session}-5", "changelist_id": cl_b, "review_version": 1,
+                                "recipients": REVIEWERS[:2]}, instance=ctx.instance)
+    table = repository.review_deliveries
+    with engine.begin() as conn:
+        victim = repository.deliveries_of(conn, b.job.id)[1]
+        conn.execute(sa.update(table).where(table.c.id == victim.id)
+                     .values(status="sent", notified_at=sa.func.now(), notification_id="msg_never_sent"))
+    run = _tick(ctx, SENSOR)[b.job.key]
+    assert run.success and run.output_for_node("send_notifications")["reconciled"] == 1
+    with engine.connect() as conn:
+        alerted = conn.execute(sa.select(sa.func.count()).select_from(alerts)
+                               .where(alerts.c.kind == "ordering_violation",
+                                      alerts.c.entity_ref == policy.delivery_ref(b.job.key, victim.id))).scalar()
+    assert alerted == 1 and _mine(ctx, cl_b, 1, REVIEWERS[:2]) == [1, 1]
+    report.done += 1
+    report.notes.append(f"{policy.delivery_ref(b.job.key, victim.id)}: marked sent, provider had nothing → "
+                        "ORDERING_CONTRACT_VIOLATED alert (Slack), markers cleared, sent once")
+    return report

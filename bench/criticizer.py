@@ -1,0 +1,141 @@
+"""What the criticizer's reliability costs per request, and what replay-from-failed-stage saves.
+
+    python -m bench criticizer                                  # under the bench stack (make bench runs all)
+    BENCH_CRITICIZER_REQUESTS=5 python -m bench criticizer      # smaller
+
+Baseline (same session, same sandbox and PostgreSQL): for each request, the three calls a bare
+script would make — GET the artifact, POST the LLM, POST the webhook — with no Dagster, no
+checkpoints, no classification. Measured against it:
+- **pipeline**: the same requests through `criticizer_job` (one in-process Dagster run each: three
+  ops, a checkpoint per stage, delivery records, the request row);
+- **replay, failed stage** vs **replay, full restart**: requests dead-lettered at llm (a 401), then
+  replayed through the replay sensor — half from the failed stage (fetch reused from its
+  checkpoint), half `--from-start` — comparing time and artifact bytes fetched.
+Artifacts are 256 KiB so the fetch is not free. Medians per request are reported, with ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+import uuid
+from typing import Any
+
+import dagster as dg
+import sqlalchemy as sa
+
+from assets.criticizer import api, pipeline, policy
+from assets.criticizer.definitions import pipeline_defs
+from devstack.sandbox import SandboxClient
+from orchestration.definitions import build_definitions
+from redrive import deadletters
+from redrive.clock import SystemClock
+from redrive.db import engine_for, resolve_database_url
+from redrive.settings import Settings
+from sensors.core import replay_run_request
+
+ARTIFACT_BYTES = 256 * 1024
+CRITIQUE = {"verdict": "approve", "score": 8, "summary": "Fine.", "findings": []}
+
+
+def _submit(engine: sa.Engine, sandbox: SandboxClient, request_id: str) -> str:
+    path = f"bench/criticizer/{request_id}.txt"
+    sandbox.put_store(path, (request_id.encode() + b"\n") * (ARTIFACT_BYTES // (len(request_id) + 1)), "text/plain")
+    api.submit(engine, {"request_id": request_id, "artifact_url": f"{sandbox.base_url}/store/{path}",
+                        "rubric": "Is it fine?", "webhook_url": f"{sandbox.base_url}/slack/webhook/bench/{request_id}"})
+    return request_id
+
+
+def _baseline(defs: dg.Definitions, sandbox: SandboxClient, request_id: str) -> float:
+    http, llm = defs.resources["criticizer_http"], defs.resources["llm"]
+    started = time.perf_counter()
+    body = http.fetch_artifact(f"{sandbox.base_url}/store/bench/criticizer/{request_id}.txt")
+    messages = policy.critique_messages("Is it fine?", "artifact", body.decode())
+    critique = llm.chat_json(messages, policy.Critique).model_dump(mode="json")
+    http.post_webhook(f"{sandbox.base_url}/slack/webhook/bench/{request_id}",
+                      policy.webhook_payload(request_id, "artifact", critique, "0" * 64), {})
+    return time.perf_counter() - started
+
+
+def _run(defs: dg.Definitions, instance: dg.DagsterInstance, request_id: str,
+         run_config: dict[str, Any] | None = None) -> tuple[float, bool]:
+    """One run: a first run of the request's partition, or a replay with the replay sensor's run config."""
+    job = defs.resolve_job_def("criticizer_job")
+    quiet = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+    started = time.perf_counter()
+    result = job.execute_in_process(run_config={**quiet, **(run_config or pipeline.run_config(request_id, {}))},
+                                    instance=instance, partition_key=None if run_config else request_id,
+                                    raise_on_error=False)
+    return time.perf_counter() - started, result.success
+
+
+def _fetched_bytes(sandbox: SandboxClient, request_ids: list[str]) -> int:
+    wanted = {f"bench/criticizer/{r}.txt" for r in request_ids}
+    return sum(1 for e in sandbox.effects("store.fetch") if e.get("path") in wanted) * ARTIFACT_BYTES
+
+
+def main(n: int | None = None) -> int:
+    n = n or int(os.environ.get("BENCH_CRITICIZER_REQUESTS", "20"))
+    settings = Settings(redrive_time_scale=0.001)
+    engine = engine_for(resolve_database_url(settings))
+    sandbox = SandboxClient(os.environ["SANDBOX_URL"])
+    sandbox.set_default("llm", content=json.dumps(CRITIQUE))
+    session = uuid.uuid4().hex[:6]
+    defs = build_definitions(settings)
+    with dg.instance_for_test() as instance:
+        ids = [_submit(engine, sandbox, f"bench-{session}-{i}") for i in range(n + 1)]
+        instance.add_dynamic_partitions(pipeline.requests_partitions.name, ids)
+        _baseline(defs, sandbox, ids[0])  # warm connections and caches
+        _run(defs, instance, ids[0])
+        base, piped = [], []
+        for request_id in ids[1:]:  # alternate, so drift in the machine's load hits both alike
+            base.append(_baseline(defs, sandbox, request_id))
+            seconds, ok = _run(defs, instance, request_id)
+            assert ok, f"{request_id} failed"
+            piped.append(seconds)
+
+        # replays: dead-letter 2n requests at llm, replay half from the failed stage, half from the start
+        failing = [_submit(engine, sandbox, f"bench-{session}-dl-{i}") for i in range(2 * n)]
+        instance.add_dynamic_partitions(pipeline.requests_partitions.name, failing)
+        sandbox.script("llm", *[{"status": 401}] * len(failing))
+        for request_id in failing:
+            assert not _run(defs, instance, request_id)[1]
+        target = pipeline_defs(settings).replay_targets[pipeline.PIPELINE]
+        timings: dict[str, list[float]] = {"failed_stage": [], "start": []}
+        groups = {"failed_stage": failing[0::2], "start": failing[1::2]}
+        before = {mode: _fetched_bytes(sandbox, group) for mode, group in groups.items()}
+        for a, b in zip(groups["failed_stage"], groups["start"], strict=True):
+            for mode, request_id in (("failed_stage", a), ("start", b)):
+                with engine.begin() as conn:
+                    letter = deadletters.active_for(conn, pipeline.PIPELINE, request_id)
+                    assert letter is not None
+                    letter = deadletters.request_replay(conn, letter.id, evidence="bench", confirm_safe=True,
+                                                        at=SystemClock().now(), from_start=mode == "start")
+                request = replay_run_request(letter, target)  # what the replay sensor would request
+                seconds, ok = _run(defs, instance, request_id, request.run_config)
+                assert ok, f"replay of {request_id} failed"
+                timings[mode].append(seconds)
+        fetched = {mode: _fetched_bytes(sandbox, group) - before[mode] for mode, group in groups.items()}
+
+    med = {k: statistics.median(v) * 1000 for k, v in
+           {"baseline": base, "pipeline": piped, **{f"replay_{m}": t for m, t in timings.items()}}.items()}
+    print(f"criticizer: {n} requests, {ARTIFACT_BYTES // 1024} KiB artifacts, median ms per request")
+    print(f"  baseline (3 bare HTTP calls)      {med['baseline']:8.1f} ms")
+    ratio = med["pipeline"] / med["baseline"]
+    print(f"  pipeline (Dagster run, 3 stages)  {med['pipeline']:8.1f} ms   ×{ratio:.1f} baseline")
+    print(f"  replay from failed stage          {med['replay_failed_stage']:8.1f} ms   "
+          f"{fetched['failed_stage'] // 1024} KiB fetched")
+    print(f"  replay full restart               {med['replay_start']:8.1f} ms   "
+          f"{fetched['start'] // 1024} KiB fetched")
+    print(f"  failed-stage / full-restart time  ×{med['replay_failed_stage'] / med['replay_start']:.2f}; "
+          f"artifact bytes re-fetched: {fetched['failed_stage']} vs {fetched['start']}")
+    return 0
+
+
+if __name__ == "__main__":
+    from devstack.stack import local_stack
+
+    with local_stack("bench"):
+        raise SystemExit(main())

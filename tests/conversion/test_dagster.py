@@ -1,0 +1,124 @@
+"""The conversion pipeline in the code location: sensor decisions, worker runs, replay, and WORKER_CONCURRENCY."""
+
+from __future__ import annotations
+
+import json
+
+import dagster as dg
+import pytest
+import sqlalchemy as sa
+import yaml
+from typer.testing import CliRunner
+
+from assets.conversion import pipeline
+from assets.conversion.policy import dispatch
+from assets.conversion.settings import ConversionSettings
+from devstack.stack import DAGSTER_YAML
+from redrive.breaker import CircuitBreaker
+from redrive.cli import app as redrive_cli
+from redrive.schema import dead_letters
+from tests.conversion.conftest import job
+from tests.dagster_helpers import launch, tick
+
+
+@pytest.fixture
+def conv_defs(monkeypatch, conv_settings, scaled_settings):
+    """The whole code location on this test's database, with the conversion knobs of `conv_settings`."""
+    from orchestration.definitions import build_definitions
+
+    for key, value in {"UPLOADS_DIR": conv_settings.uploads_dir, "RESULTS_DIR": conv_settings.results_dir,
+                       "WORKER_IDLE_EXIT_SEC": 0, "WORKER_IDLE_SLEEP_SEC": 0.01, "WORKER_LEASE_TTL_SEC": 5,
+                       "CIRCUIT_COOLDOWN_MS": 0}.items():
+        monkeypatch.setenv(key, str(value))
+    return build_definitions(scaled_settings)
+
+
+def sensor_requests(defs, instance) -> list[dg.RunRequest]:
+    return tick(defs, instance, "conversion_workers")
+
+
+def test_dispatch_policy_table() -> None:
+    """Workers only while due work and a closed breaker; never more than WORKER_CONCURRENCY in flight; probe when open."""
+    assert dispatch(due=0, in_flight=0, concurrency=4, breaker_open=False, probe_due=False).worker_runs == 0
+    assert dispatch(due=2, in_flight=0, concurrency=4, breaker_open=False, probe_due=False).worker_runs == 2
+    assert dispatch(due=50, in_flight=1, concurrency=4, breaker_open=False, probe_due=False).worker_runs == 3
+    assert dispatch(due=50, in_flight=4, concurrency=4, breaker_open=False, probe_due=False).worker_runs == 0
+    held = dispatch(due=50, in_flight=0, concurrency=4, breaker_open=True, probe_due=False)
+    assert (held.worker_runs, held.probe) == (0, False) and "breaker open" in held.reason
+    assert dispatch(due=50, in_flight=0, concurrency=4, breaker_open=True, probe_due=True).probe
+
+
+def test_sensor_requests_workers_for_due_work_and_a_run_drains_the_queue(conv_defs, instance, engine, submit) -> None:
+    """Due jobs → worker runs keyed by a cursor counter (no wall clock); a launched run converts them all."""
+    assert sensor_requests(conv_defs, instance) == []
+    ids = [submit() for _ in range(3)]
+    requests = sensor_requests(conv_defs, instance)
+    assert [r.run_key for r in requests] == ["conversion:worker:1", "conversion:worker:2", "conversion:worker:3"]
+    assert all(r.tags["redrive/pipeline"] == "conversion" for r in requests)
+    result = launch(conv_defs, instance, requests[0])
+    assert result.success
+    assert result.output_for_node("convert_due_jobs")["succeeded"] == 3
+    assert {job(engine, i).status for i in ids} == {"succeeded"}
+
+
+def test_sensor_holds_while_the_breaker_is_open_and_asks_for_a_probe(conv_defs, instance, engine, submit,
+                                                                     sandbox, conv_settings) -> None:
+    """Breaker open: no worker run while jobs are due, one probe run; the probe closes it once the gateway is healthy."""
+    submit()
+    breaker = CircuitBreaker(engine, "pdf-gateway", conv_settings.breaker_policy())
+    for _ in range(10):
+        breaker.record(ok=False)
+    [probe] = sensor_requests(conv_defs, instance)
+    assert probe.job_name == "conversion_breaker_probe_job"
+    sandbox.script("pdf.health", {"status": 503})
+    assert launch(conv_defs, instance, probe).success
+    assert not breaker.allows()  # still unhealthy
+    [again] = sensor_requests(conv_defs, instance)
+    assert again.run_key != probe.run_key
+    assert launch(conv_defs, instance, again).success
+    assert breaker.allows()
+    assert [r.job_name for r in sensor_requests(conv_defs, instance)] == ["conversion_worker_job"]
+
+
+def test_sensor_counts_conversion_runs_in_flight_against_worker_concurrency(conv_defs, instance, submit) -> None:
+    """With WORKER_CONCURRENCY (4) conversion runs not finished yet, the sensor asks for none."""
+    for _ in range(10):
+        submit()
+    job_def = conv_defs.resolve_job_def("conversion_worker_job")
+    for _ in range(3):
+        instance.create_run_for_job(job_def, tags=pipeline.TAGS, status=dg.DagsterRunStatus.NOT_STARTED)
+    assert len(sensor_requests(conv_defs, instance)) == 1
+    instance.create_run_for_job(job_def, tags=pipeline.TAGS, status=dg.DagsterRunStatus.STARTED)
+    assert sensor_requests(conv_defs, instance) == []
+
+
+def test_worker_concurrency_is_the_instance_tag_limit_on_every_conversion_job() -> None:
+    """dagster.yaml limits runs tagged redrive/pipeline=conversion to WORKER_CONCURRENCY; all our jobs carry the tag."""
+    limits = yaml.safe_load(DAGSTER_YAML)["run_coordinator"]["config"]["tag_concurrency_limits"]
+    [limit] = [lim for lim in limits if lim["key"] == "redrive/pipeline" and lim["value"] == "conversion"]
+    assert limit["limit"] == ConversionSettings().worker_concurrency
+    for job_def in (pipeline.conversion_worker_job, pipeline.conversion_breaker_probe_job,
+                    pipeline.conversion_replay_job):
+        assert job_def.tags["redrive/pipeline"] == "conversion"
+
+
+def test_dead_letter_replay_requeues_and_the_next_worker_run_closes_it(conv_defs, instance, engine, submit,
+                                                                       sandbox, db_url) -> None:
+    """`redrive dlq replay` → the replay sensor's run requeues the failed job → a worker run converts it → resolved."""
+    job_id = submit()
+    sandbox.script("pdf.convert", {"status": 400})
+    assert launch(conv_defs, instance, sensor_requests(conv_defs, instance)[0]).success
+    assert job(engine, job_id).status == "failed"
+    listed = json.loads(CliRunner().invoke(redrive_cli, ["dlq", "list", "--json"], env={"DATABASE_URL": db_url}).output)
+    [letter] = [d for d in listed if d["pipeline"] == "conversion"]
+    out = CliRunner().invoke(redrive_cli, ["dlq", "replay", str(letter["id"]), "--note", "INC-7: mapping fixed",
+                                           "--confirm-safe"], env={"DATABASE_URL": db_url})
+    assert out.exit_code == 0, out.output
+    [replay] = tick(conv_defs, instance, "redrive_dead_letter_replays")
+    assert replay.job_name == "conversion_replay_job"
+    assert launch(conv_defs, instance, replay).success
+    assert job(engine, job_id).status == "queued"
+    assert launch(conv_defs, instance, sensor_requests(conv_defs, instance)[0]).success
+    assert job(engine, job_id).status == "succeeded"
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(dead_letters.c.status)).scalar() == "resolved"

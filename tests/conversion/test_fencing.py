@@ -1,0 +1,80 @@
+"""Lease fencing: a worker whose lease was reclaimed can neither complete, fail, retry, extend nor requeue the job."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import sqlalchemy as sa
+
+from assets.conversion import repository as repo
+from tests.conversion.conftest import events, job
+
+
+def test_every_late_write_of_a_reclaimed_lease_is_refused_logged_and_counted(engine, submit, make_worker, clock,
+                                                                              files, caplog) -> None:
+    """After B took the job over, each of A's writes changes nothing, leaves a `fenced` event and a JSON log line."""
+    job_id = submit()
+    a, b = make_worker(worker_id="a"), make_worker(worker_id="b")
+    stale = a.claim()
+    assert stale is not None and stale.epoch == 1
+    clock.advance(3)  # lease TTL 2 s: A looks dead
+    assert [r.job_id for r in b.reclaim()] == [job_id]
+    fresh = b.claim()
+    assert fresh is not None and fresh.epoch == 2
+
+    caplog.set_level(logging.INFO, logger="redrive.conversion.worker")
+    with engine.begin() as conn:
+        assert not repo.complete(conn, stale, "x.xml", clock.now(), {})
+        assert not repo.fail(conn, stale, "GW_4XX", "late", clock.now(), {})
+        assert not repo.schedule_retry(conn, stale, "GW_5XX", "late", clock.now(), clock.now(), {})
+        assert not repo.requeue(conn, stale, clock.now(), "shutdown")
+    assert a.extend(stale) is False
+    assert a._complete(stale, b"<document sha256=\"0\"/>", 1.0, None) == "fenced"
+    held = job(engine, job_id)
+    assert (held.status, held.leased_by, held.lease_epoch) == ("processing", "b", 2)
+    assert list(files.results.iterdir()) == []  # A's staged result was discarded, never published
+
+    assert b._complete(fresh, b"<document sha256=\"1\"/>", 1.0, None) == "succeeded"
+    assert a.requeue(stale, "shutdown") is False  # still refused after B finished
+    assert job(engine, job_id).status == "succeeded"
+    assert [p.name for p in files.results.iterdir()] == [f"{job_id}.xml"]
+
+    with engine.connect() as conn:
+        fenced = [e["meta"] for e in repo.events(conn, job_id) if e["event"] == "fenced"]
+    assert [(m["write"], m["worker"], m["epoch"]) for m in fenced] == [("extend", "a", 1), ("complete", "a", 1),
+                                                                      ("requeue", "a", 1)]
+    lines = [json.loads(r.getMessage()) for r in caplog.records if '"lease_lost_write_refused"' in r.getMessage()]
+    assert [(line["write"], line["job_id"], line["epoch"]) for line in lines] == [
+        ("extend", job_id, 1), ("complete", job_id, 1), ("requeue", job_id, 1)]
+    assert events(engine, job_id).count("complete") == 1
+
+
+def test_a_lease_lost_on_the_last_attempt_fails_the_job_for_good(engine, submit, make_worker, clock, sandbox) -> None:
+    """Three claims whose workers all vanished: the reclaim fails the job (UNKNOWN), dead letter and alert once."""
+    job_id = submit()
+    worker = make_worker()
+    for _ in range(3):
+        assert worker.claim() is not None
+        clock.advance(3)
+        worker.reclaim()
+    failed = job(engine, job_id)
+    assert (failed.status, failed.error_code, failed.dead_letter, failed.attempt_count) == ("failed", "UNKNOWN", True, 3)
+    assert events(engine, job_id) == ["queued", "processing", "expired", "processing", "expired", "processing",
+                                      "failed"]
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT error_class FROM dead_letters")).scalars().all() == ["UNKNOWN"]
+    assert sandbox.count("slack.message") == 1
+
+
+def test_a_lease_being_written_is_not_reclaimed(engine, submit, make_worker, clock) -> None:
+    """A row locked by its holder's completion is skipped by the reclaim (SKIP LOCKED), so the completion stands."""
+    job_id = submit()
+    worker = make_worker()
+    lease = worker.claim()
+    clock.advance(3)
+    with engine.begin() as holder:
+        holder.execute(sa.text("SELECT 1 FROM conversion_jobs WHERE id = :i FOR UPDATE"), {"i": job_id})
+        assert worker.reclaim() == []
+        assert repo.complete(holder, lease, f"{job_id}.xml", clock.now(), {})
+    assert job(engine, job_id).status == "succeeded"
