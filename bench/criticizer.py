@@ -28,11 +28,12 @@ import sqlalchemy as sa
 
 from assets.criticizer import api, pipeline, policy
 from assets.criticizer.definitions import pipeline_defs
+from devstack.postgres import create_database, drop_database, with_database
 from devstack.sandbox import SandboxClient
 from orchestration.definitions import build_definitions
 from redrive import deadletters
 from redrive.clock import SystemClock
-from redrive.db import engine_for, resolve_database_url
+from redrive.db import engine_for, resolve_database_url, upgrade_head
 from redrive.settings import Settings
 from sensors.core import replay_run_request
 
@@ -77,12 +78,25 @@ def _fetched_bytes(sandbox: SandboxClient, request_ids: list[str]) -> int:
 
 
 def main(n: int | None = None) -> int:
+    """A database of its own on the bench server, so other work on the shared one cannot touch its rows."""
     n = n or int(os.environ.get("BENCH_CRITICIZER_REQUESTS", "20"))
-    settings = Settings(redrive_time_scale=0.001)
+    session = uuid.uuid4().hex[:6]
+    admin = with_database(resolve_database_url(Settings()), "postgres")
+    name = f"bench_criticizer_{session}"
+    create_database(admin, name)
+    url = with_database(admin, name)
+    try:
+        upgrade_head(url)
+        return _measure(n, session, Settings(database_url=url, redrive_time_scale=0.001))
+    finally:
+        engine_for(url).dispose()
+        drop_database(admin, name)
+
+
+def _measure(n: int, session: str, settings: Settings) -> int:
     engine = engine_for(resolve_database_url(settings))
     sandbox = SandboxClient(os.environ["SANDBOX_URL"])
     sandbox.set_default("llm", content=json.dumps(CRITIQUE))
-    session = uuid.uuid4().hex[:6]
     defs = build_definitions(settings)
     with dg.instance_for_test() as instance:
         ids = [_submit(engine, sandbox, f"bench-{session}-{i}") for i in range(n + 1)]

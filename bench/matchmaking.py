@@ -73,7 +73,8 @@ def populate(engine: sa.Engine, n: int, timezone: str) -> None:
 
 def reset(engine: sa.Engine, partition: Partition) -> None:
     with engine.begin() as conn:
-        conn.execute(sa.delete(repository.matchmaking_jobs).where(repository.matchmaking_jobs.c.timezone == partition.timezone))
+        jobs = repository.matchmaking_jobs
+        conn.execute(sa.delete(jobs).where(jobs.c.timezone == partition.timezone))  # offers go with them
 
 
 def vectorized(engine: sa.Engine, partition: Partition, knobs: Knobs) -> tuple[float, batch.Outcome]:
@@ -127,16 +128,17 @@ def per_user_loop(engine: sa.Engine, partition: Partition, knobs: Knobs) -> floa
                                 rank, s / policy.SCORE_SCALE) for c, rank, s in selected]
         with engine.begin() as conn:
             repository.complete(conn, partition.date, partition.timezone, {user_id: rows},
-                                {user_id: policy.offers_document(rows)}, algorithm_version=BUILTIN_WEIGHTS.algorithm_version,
-                                offered_at=offered_at, expires_at=expires_at)
+                                {user_id: policy.offers_document(rows)},
+                                algorithm_version=BUILTIN_WEIGHTS.algorithm_version, offered_at=offered_at,
+                                expires_at=expires_at)
     return time.perf_counter() - started
 
 
 def offer_rows(engine: sa.Engine, partition: Partition) -> list[tuple]:
     with engine.connect() as conn:
         return [tuple(r) for r in conn.execute(sa.text(
-            "SELECT id, user_id, candidate_id, rank, compatibility_score, offered_at, expires_at FROM matchmaking_offers "
-            "WHERE timezone = :tz ORDER BY id"), {"tz": partition.timezone})]
+            "SELECT id, user_id, candidate_id, rank, compatibility_score, offered_at, expires_at "
+            "FROM matchmaking_offers WHERE timezone = :tz ORDER BY id"), {"tz": partition.timezone})]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,26 @@ app.add_typer(dlq, name="dlq")
 app.add_typer(db, name="db")
 app.add_typer(alerts_app, name="alerts")
 
+# Pipelines' own commands, mounted lazily-imported here so `redrive --help` lists them.
+PIPELINE_COMMANDS = {
+    "criticizer": "assets.criticizer.cli:app",
+    "review": "assets.review_notifications.cli:app",
+}
+
+
+def _mount_pipeline_commands() -> None:
+    import importlib
+
+    for name, target in PIPELINE_COMMANDS.items():
+        module, attr = target.split(":")
+        try:
+            app.add_typer(getattr(importlib.import_module(module), attr), name=name)
+        except ImportError:  # a pipeline not installed in this build
+            continue
+
+
+_mount_pipeline_commands()
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 
 

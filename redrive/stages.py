@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, TypeVar
 
 import dagster as dg
@@ -43,10 +44,12 @@ class StagePolicy:
     backoff: BackoffPolicy
     vocabulary: Vocabulary | None = None
     integrity: str = "conflict"
+    idempotent: bool = True  # 002 §8.1: a conflict is retryable only for an idempotent operation
 
-    def classify(self, exc: BaseException) -> Failure:
-        failure = classify_exception(exc, integrity=self.integrity)
-        return self.vocabulary.apply(failure) if self.vocabulary else failure
+    def classify(self, exc: BaseException, now: datetime | None = None) -> Failure:
+        """`now` dates an HTTP-date Retry-After against the injected clock."""
+        failure = classify_exception(exc, integrity=self.integrity, now=now)
+        return self.vocabulary.apply(failure, idempotent=self.idempotent) if self.vocabulary else failure
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ def run_stage(
     try:
         return work()
     except Exception as exc:  # noqa: BLE001 - every failure is classified, none escapes unnamed
-        failure = policy.classify(exc)
+        failure = policy.classify(exc, reliability.now())
         stack = sanitize_exception(exc)
     decision = decide_for(policy, failure, attempt, reliability, f"{unit.pipeline}:{unit.entity_ref}:{stage}:{attempt}")
     wait = decision.delay * reliability.time_scale

@@ -4,10 +4,8 @@ It reads only: requests still `submitted` (no run has started them), oldest firs
 cursor: a cursor on insertion order skips a request whose transaction commits after a
 later one was seen; re-reading `submitted` rows cannot lose one, and the run key
 (request + attempt 1) makes Dagster start each request once however often it is seen.
-The partition is added here, on the instance, rather than through a SensorResult
-request, and each request is resolved against the job here (partition tags), so a
-tick evaluated without the repository (the test and demo helpers) and any launcher
-get a run of the right partition.
+New partitions are requested in the tick's result; the daemon adds them before it
+launches the runs.
 """
 
 # No `from __future__ import annotations`: Dagster reads resource types from live annotations.
@@ -36,17 +34,14 @@ def new_requests_sensor(job: dg.JobDefinition, partitions: dg.DynamicPartitionsD
             return dg.SkipReason("no critique request waiting")
         assert partitions.name is not None
         new = [r for r in pending if not context.instance.has_dynamic_partition(partitions.name, r)]
-        if new:
-            context.instance.add_dynamic_partitions(partitions.name, new)
-        return [
-            dg.RunRequest(
-                run_key=run_key(PIPELINE, request_id, attempt=1),
-                partition_key=request_id,
-                run_config=run_config(request_id, {}),
-                tags={"redrive/pipeline": PIPELINE},
-            ).with_resolved_tags_and_config(target_definition=job, dynamic_partitions_requests=[],
-                                            dynamic_partitions_store=context.instance)
-            for request_id in pending
-        ]
+        return dg.SensorResult(
+            run_requests=[
+                dg.RunRequest(run_key=run_key(PIPELINE, request_id, attempt=1), job_name=job.name,
+                              partition_key=request_id,
+                              run_config=run_config(request_id, {}), tags={"redrive/pipeline": PIPELINE})
+                for request_id in pending
+            ],
+            dynamic_partitions_requests=[partitions.build_add_request(new)] if new else [],
+        )
 
     return _sensor

@@ -11,6 +11,7 @@ shows a failed tick, never a silent "nothing new".
 import json
 from datetime import UTC, timedelta
 
+import botocore.exceptions
 import dagster as dg
 from dagster_aws.s3 import S3Resource
 
@@ -64,8 +65,13 @@ def inbox_sensor(settings: EvidenceSettings, bucket: str, *, minimum_interval_se
         """New file-job ZIPs under the inbox prefix become file-job partitions and ingest runs."""
         client = s3.get_client()
         objects: list[dict] = []
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=inbox_bucket, Prefix=prefix):
-            objects.extend(page.get("Contents", []))
+        try:
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=inbox_bucket, Prefix=prefix):
+                objects.extend(page.get("Contents", []))
+        except botocore.exceptions.ClientError as exc:
+            if (exc.response.get("Error") or {}).get("Code") != "NoSuchBucket":
+                raise
+            return dg.SkipReason(f"bucket {inbox_bucket} does not exist (yet): no inbox to watch")
         fresh, cursor = new_zips(objects, context.cursor)
         if not fresh:
             return dg.SkipReason(f"no new ZIP under s3://{inbox_bucket}/{prefix}")

@@ -34,6 +34,7 @@ def matchmaking_schedule(job, timezones: Sequence[str], hour: int, start: date) 
         """Every hour on the hour: the timezones where it has just turned the offer hour (9 AM) locally."""
         tick = context.scheduled_execution_time or datetime.now(UTC)  # manual evaluation without a tick time
         requests = schedule_requests(tick, timezones, hour, start)
-        return requests or dg.SkipReason(f"no timezone reached {hour:02d}:00 local in the hour to {tick:%Y-%m-%d %H:%M} UTC")
+        return requests or dg.SkipReason(
+            f"no timezone reached {hour:02d}:00 local in the hour to {tick:%Y-%m-%d %H:%M} UTC")
 
     return _schedule

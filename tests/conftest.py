@@ -102,5 +102,8 @@ def instance():
     """A throwaway Dagster instance (runs, event log) for one test."""
     import dagster as dg
 
-    with dg.instance_for_test() as inst:
+    # no compute-log capture: it forks a process per step and the tests read the event log, not stdout
+    overrides = {"compute_logs": {"module": "dagster._core.storage.noop_compute_log_manager",
+                                  "class": "NoOpComputeLogManager"}}
+    with dg.instance_for_test(overrides=overrides) as inst:
         yield inst

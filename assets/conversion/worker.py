@@ -1,9 +1,10 @@
 """The conversion worker loop (003 §3.4, §3.5) — one code path for Dagster runs and plain processes.
 
-Each turn: reclaim expired leases; if the circuit breaker is open, hold the queue (and probe the
-gateway once the cooldown has passed); otherwise claim one due job (SKIP LOCKED, oldest first), call
-the gateway with a timeout, stage the XML, and finish with a *fenced* write: complete, schedule a
-retry (``queued`` + ``retryAfter``) or fail for good (dead letter + alert through the core). A
+Each turn: reclaim expired leases; claim one due job (SKIP LOCKED, oldest first — and nothing while
+the circuit breaker is open: then hold the queue and probe the gateway once the cooldown has
+passed); call the gateway with a timeout, stage the XML, and finish with a *fenced* write: complete,
+schedule a retry (``queued`` + ``retryAfter``) or fail for good (dead letter + alert through the
+core), recording the call in the breaker's window in the same transaction. A
 heartbeat thread extends the lease on long jobs. On SIGTERM the worker stops claiming, lets the
 in-flight job finish within WORKER_SHUTDOWN_GRACE_SEC, or requeues it cleanly, writes the final
 status and only then disconnects.
@@ -42,6 +43,7 @@ from assets.conversion import repository as repo
 from assets.conversion.files import FileStore
 from assets.conversion.settings import BREAKER, PIPELINE, ConversionSettings
 from redrive.alerts import Alert
+from redrive.backoff import FullJitter
 from redrive.breaker import CircuitBreaker, Transition, counts_as_failure, record_call
 from redrive.budgets import decide
 from redrive.deadletters import FinalFailure
@@ -54,6 +56,9 @@ from resources.conversion import Gateway
 logger = logging.getLogger("redrive.conversion.worker")
 
 STAGE = "convert"
+MAX_CONSECUTIVE_ERRORS = 8
+LOOP_BACKOFF = FullJitter(initial=1.0, max_delay=30.0)
+"""Waits between turns that failed outside a job (the database unreachable): 002's full jitter, from the core."""
 
 
 class ShutdownNow(BaseException):  # noqa: N818 - a control-flow signal, like KeyboardInterrupt
@@ -268,6 +273,7 @@ class Worker:
         """Loop until shutdown, ``max_seconds``, ``max_jobs``, or ``until_idle`` seconds with nothing to claim."""
         started = self.clock.monotonic()
         idle_since: float | None = None
+        errors = 0
         self.log("worker_started", lease_ttl_sec=self.settings.worker_lease_ttl_sec)
         try:
             while not self.shutdown.requested:
@@ -276,7 +282,18 @@ class Worker:
                     break
                 if max_jobs is not None and self.report.claimed >= max_jobs:
                     break
-                outcome = self.step()
+                try:
+                    outcome = self.step()
+                    errors = 0
+                except Exception as exc:  # noqa: BLE001 - the database blinked: back off, do not die at once
+                    errors += 1
+                    failure = policy.classify(exc)
+                    self.log("worker_error", error_code=failure.code, consecutive=errors, level=logging.ERROR)
+                    if not failure.retryable or errors >= MAX_CONSECUTIVE_ERRORS:
+                        raise
+                    self.shutdown.wait(LOOP_BACKOFF.delay(errors, self.reliability.rng_for(self.worker_id))
+                                       * self.reliability.time_scale)
+                    continue
                 if outcome in ("processed",):
                     idle_since = None
                     continue

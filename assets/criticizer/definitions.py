@@ -27,9 +27,8 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
             )
         },
         replay_targets={
-            # No partition key on replay and durable-retry runs: the core's sensors emit unresolved
-            # partitioned requests, which a tick evaluated without the repository (the test and demo
-            # helpers) cannot resolve. The run config names the request; see docs/pipelines/criticizer.md.
-            pipeline.PIPELINE: ReplayTarget(job=pipeline.criticizer_job, run_config=pipeline.run_config)
+            # replays and durable retries run on the request's own partition
+            pipeline.PIPELINE: ReplayTarget(job=pipeline.criticizer_job, run_config=pipeline.run_config,
+                                            partition_key=lambda request_id: request_id)
         },
     )

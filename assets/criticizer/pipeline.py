@@ -23,7 +23,6 @@ writes the same row.
 # No `from __future__ import annotations`: Dagster reads config and resource types from live annotations.
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
@@ -32,7 +31,6 @@ from assets.criticizer import policy, repository
 from assets.criticizer.policy import PIPELINE
 from redrive import checkpoints
 from redrive.deadletters import FROM_START
-from redrive.failures import Failure
 from redrive.reliability import Reliability
 from redrive.stages import EntityRunFields, StagePolicy, Unit, checkpointed_stage, entity_run_config
 from redrive.vocabularies import CRITICIZER
@@ -43,21 +41,8 @@ from resources.reliability import ReliabilityResource
 requests_partitions = dg.DynamicPartitionsDefinition(name="criticizer_requests")
 
 
-@dataclass(frozen=True)
-class CriticizerStagePolicy(StagePolicy):
-    """The core's StagePolicy plus 002 §8.1's idempotency rule for conflicts.
-
-    CORE CANDIDATE: `StagePolicy` could carry `idempotent` and pass it to `vocabulary.apply`.
-    """
-
-    idempotent: bool = True
-
-    def classify(self, exc: BaseException) -> Failure:
-        return policy.classify(exc, idempotent=self.idempotent)
-
-
 POLICIES = {
-    stage: CriticizerStagePolicy(max_attempts=policy.MAX_ATTEMPTS_PER_STAGE, backoff=policy.BACKOFF,
+    stage: StagePolicy(max_attempts=policy.MAX_ATTEMPTS_PER_STAGE, backoff=policy.BACKOFF,
                                  vocabulary=CRITICIZER, idempotent=policy.STAGE_IDEMPOTENT[stage])
     for stage in policy.STAGES
 }

@@ -30,16 +30,16 @@ TOPICS = {
 }
 
 
-class _Contract(BaseModel):
+class Contract(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ArtifactRef(_Contract):
+class ArtifactRef(Contract):
     artifact_id: UUID
     s3_key: str = Field(min_length=1)
 
 
-class _RowEvent(_Contract):
+class _RowEvent(Contract):
     event_id: UUID
     occurred_at: AwareDatetime
     file_job_id: UUID
@@ -63,7 +63,7 @@ class EvidenceAttachRetry(_RowEvent):
     retry_round: int = Field(ge=1)
 
 
-class EvidenceArtifactResult(_Contract):
+class EvidenceArtifactResult(Contract):
     """004 §4 result per artifact (topic evidence.attach.results); here it is the worker's return value."""
 
     event_type: Literal["EVIDENCE_ARTIFACT_RESULT"] = ARTIFACT_RESULT
@@ -80,7 +80,7 @@ class EvidenceArtifactResult(_Contract):
     schema_version: Literal[1] = SCHEMA_VERSION
 
 
-class CannotRetry(_Contract):
+class CannotRetry(Contract):
     """One artifact N2 reports as "Cannot Retry"."""
 
     artifact_id: UUID
@@ -90,7 +90,7 @@ class CannotRetry(_Contract):
     error_category: str
 
 
-class NotificationSummary(_Contract):
+class NotificationSummary(Contract):
     total: int = Field(ge=0)
     attached: int = Field(ge=0)
     failed: int = Field(ge=0)
@@ -102,7 +102,7 @@ class NotificationSummary(_Contract):
     cannot_retry: list[CannotRetry] = Field(default_factory=list)
 
 
-class EvidenceNotificationRequested(_Contract):
+class EvidenceNotificationRequested(Contract):
     """N1 or N2 (004 §5): rendered once when its gate opens, then sent with a fixed idempotency token."""
 
     event_id: UUID
@@ -134,6 +134,6 @@ def parse_event(payload: object) -> EvidenceAttachRequested | EvidenceAttachRetr
     return _EVENTS.validate_python(payload)
 
 
-def dump(event: _Contract) -> dict[str, object]:
+def dump(event: Contract) -> dict[str, object]:
     """JSON-ready payload (UUIDs and datetimes as strings) for the JSONB column."""
     return event.model_dump(mode="json")

@@ -2,7 +2,7 @@
 
 Scripted faults (seeded): 503s and "accepted, answer lost" on the case API, one case deleted
 (CASE_NOT_FOUND → dead letter + alert), and a manifest with a malformed row, a missing file, a
-file of a refused type and a corrupted PDF. Sensors are ticked here as the daemon would tick them;
+file of a refused type and a corrupted PDF. Sensors are ticked (`ctx.tick`) as the daemon would;
 backoff runs at the demo's time scale (5 min → 3 s), so the demo waits a few seconds for retries.
 Safe to run twice: the session id is in the upload's key and case ids, so each run is a new file job.
 """
@@ -12,9 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
-from typing import Any
 
-import dagster as dg
 import sqlalchemy as sa
 
 from assets.evidence import policy, service
@@ -56,38 +54,6 @@ def _archive(session: str) -> tuple[bytes, list[str]]:
     return buf.getvalue(), cases
 
 
-class _Daemon:
-    """Ticks sensors as the daemon does (with an instance ref, so partitioned requests resolve; adding
-    the partitions they ask for) and launches their runs through the demo context, once per run key."""
-
-    def __init__(self, ctx: Any) -> None:
-        self.ctx = ctx
-        self.cursors: dict[str, str | None] = {}
-        self.runs = 0
-
-    def tick(self, name: str, *, launch: bool = True) -> list[dg.ExecuteInProcessResult]:
-        sensor = self.ctx.defs.resolve_sensor_def(name)
-        with dg.build_sensor_context(instance_ref=self.ctx.instance.get_ref(), definitions=self.ctx.defs,
-                                     resources=self.ctx.defs.resources, sensor_name=name,
-                                     cursor=self.cursors.get(name)) as context:
-            data = sensor.evaluate_tick(context)
-        self.cursors[name] = data.cursor
-        for request in data.dynamic_partitions_requests or []:
-            self.ctx.instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
-        results = []
-        for request in data.run_requests or []:
-            if not launch:
-                continue
-            if request.run_key and self.ctx.instance.get_runs(
-                    filters=dg.RunsFilter(tags={"dagster/run_key": request.run_key})):
-                continue
-            tags = {**(request.tags or {}), "dagster/run_key": request.run_key or ""}
-            results.append(self.ctx.run(request.job_name, run_config=request.run_config, tags=tags,
-                                        partition_key=request.partition_key))
-            self.runs += 1
-        return results
-
-
 def run_demo(ctx):  # -> orchestration.demo.DemoReport
     from orchestration.demo import DemoReport
 
@@ -102,16 +68,18 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     etag = str(s3.head_object(Bucket=bucket, Key=key)["ETag"]).strip('"')
     job = policy.file_job_id(bucket, key, etag)
 
-    daemon = _Daemon(ctx)
-    ingested = [r for r in daemon.tick("evidence_inbox") if r.dagster_run.tags.get("dagster/partition") == str(job)]
+    runs = 0
+    ingested = [r for r in ctx.tick("evidence_inbox") if r.dagster_run.tags.get("dagster/partition") == str(job)]
     assert ingested and ingested[0].success, "ingest run failed"
+    runs += len(ingested)
     ctx.sandbox.mark_cases_missing(cases[-1])  # the last case was deleted: CASE_NOT_FOUND, dead letter, alert
     ctx.sandbox.random_faults("case.attach", seed=4, rates=FAULTS)
     deadline = time.monotonic() + 40
     while time.monotonic() < deadline:
-        runs = daemon.tick("evidence_outbox_publisher")
-        assert all(r.success for r in runs), "an evidence run failed"
-        daemon.tick("evidence_retry_scheduler")
+        published = ctx.tick("evidence_outbox_publisher")
+        assert all(r.success for r in published), "an evidence run failed"
+        runs += len(published)
+        ctx.tick("evidence_retry_scheduler")
         with ctx.engine.connect() as conn:
             open_events = conn.execute(sa.select(sa.func.count()).where(
                 repo.evidence_outbox.c.file_job_id == job,
@@ -122,7 +90,7 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
             n2_sent = repo.get_file_job(conn, job).n2_sent_at
         if n2_sent is not None and open_events == 0:
             break
-        if not runs and next_due is not None:  # the retry's durable timer: wait for it, as the daemon would
+        if not published and next_due is not None:  # the retry's durable timer: wait for it, as the daemon would
             with ctx.engine.connect() as conn:
                 wait = (next_due - conn.execute(sa.select(sa.func.now())).scalar()).total_seconds()
             time.sleep(min(8.0, max(0.2, wait + 0.2)))
@@ -154,7 +122,7 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     lost = sum(1 for r in ctx.sandbox.requests("case.attach") if r["step"].startswith("effect_then_error"))
     codes = Counter(a.attachment_error_code for a in final)
     report.notes.append(f"file job {job}: {len(arts)} evidence files in {ROWS + 1} manifest rows "
-                        f"({invalid_rows} malformed row kept as INVALID_FORMAT); {daemon.runs} runs")
+                        f"({invalid_rows} malformed row kept as INVALID_FORMAT); {runs} runs")
     report.notes.append(f"{len(attached)} attached ({recovered} after a retry; {lost} 'accepted, answer lost' "
                         f"found by lookup, none attached twice); failed for good: {dict(sorted(codes.items()))}")
     report.notes.append(f"N1 and N2 sent once each to {file_job.notify_to}; "

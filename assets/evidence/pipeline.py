@@ -25,7 +25,7 @@ from assets.evidence import repository as repo
 from assets.evidence.settings import EvidenceOptions
 from redrive.backoff import FullJitter
 from redrive.failures import Code, Failure, PermanentError
-from redrive.stages import DeferredRetry, StagePolicy, Unit, run_stage
+from redrive.stages import DeferredRetry, EntityRunFields, StagePolicy, Unit, entity_run_config, run_stage
 from redrive.vocabularies import EVIDENCE, EVIDENCE_S3
 from resources.evidence import CaseApiResource, MerchantMailResource
 from resources.reliability import ReliabilityResource
@@ -44,26 +44,20 @@ ATTACH_POLICY = StagePolicy(max_attempts=3, backoff=FullJitter(initial=1.0, max_
 NOTIFY_POLICY = StagePolicy(max_attempts=5, backoff=FullJitter(initial=2.0, max_delay=60.0), vocabulary=EVIDENCE)
 
 
-class FileJobConfig(dg.Config):
+class FileJobConfig(EntityRunFields):
+    """A file job's run: its source (from the inbox sensor) or the outbox event that started it."""
+
     bucket: str = ""
     key: str = ""
     etag: str = ""
     event_id: str | None = None
-    replay_of: int | None = None
-    replay_from: str | None = None
-    stage: str | None = None
-    attempt: int | None = None
-    prior_attempts: dict[str, int] = {}
 
 
-class AttachConfig(dg.Config):
+class AttachConfig(EntityRunFields):
+    """One row's run: the outbox event (publisher), or the row itself (a replay or a durable retry)."""
+
     event_id: str | None = None
     row_id: str | None = None
-    replay_of: int | None = None
-    replay_from: str | None = None
-    stage: str | None = None
-    attempt: int | None = None
-    prior_attempts: dict[str, int] = {}
 
 
 def _stage(context: dg.OpExecutionContext, runtime: Any, unit: Unit, stage: str, policy_: StagePolicy,
@@ -226,11 +220,9 @@ evidence_metrics_job = dg.define_asset_job("evidence_metrics_job", selection=[ev
 def attach_run_config(row_entity: str, extra: dict[str, Any]) -> dict[str, Any]:
     """Run config of a replay or a durable retry of one row (sensors.core.ReplayTarget)."""
     _, row = policy.split_row_entity(row_entity)
-    allowed = {k: v for k, v in extra.items() if k in AttachConfig.model_fields}
-    return {"ops": {"attach_row_evidence": {"config": {**allowed, "row_id": str(row)}}}}
+    return entity_run_config(AttachConfig, ["attach_row_evidence"], **{**extra, "row_id": str(row)})
 
 
 def file_job_run_config(file_job: str, extra: dict[str, Any]) -> dict[str, Any]:
     """Run config of a replay or a durable retry of a file job."""
-    allowed = {k: v for k, v in extra.items() if k in FileJobConfig.model_fields}
-    return {"ops": {"ingest_file_job": {"config": allowed}, "send_file_job_notifications": {"config": allowed}}}
+    return entity_run_config(FileJobConfig, ["ingest_file_job", "send_file_job_notifications"], **extra)

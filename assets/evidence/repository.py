@@ -28,7 +28,6 @@ from assets.evidence.policy import (
     PENDING,
     PERMANENT_FAILED,
     RECEIVED,
-    RETRY_FAILED,
     RETRY_SCHEDULED,
     RETRYING,
     VALID,
@@ -361,7 +360,7 @@ def record_ingest(conn: sa.Connection, job: FileJob, parsed: policy.ParsedArchiv
 # -------------------------------------------------------------------------------------------- outbox
 
 
-def _event_values(event: contracts._Contract, *, row: UUID | None, case: UUID | None, now: datetime) -> dict[str, Any]:
+def _event_values(event: contracts.Contract, *, row: UUID | None, case: UUID | None, now: datetime) -> dict[str, Any]:
     payload = contracts.dump(event)
     return {
         "event_id": UUID(str(payload["event_id"])), "event_type": payload["event_type"],
@@ -370,7 +369,7 @@ def _event_values(event: contracts._Contract, *, row: UUID | None, case: UUID | 
     }
 
 
-def add_event(conn: sa.Connection, event: contracts._Contract, *, row: UUID | None, case: UUID | None,
+def add_event(conn: sa.Connection, event: contracts.Contract, *, row: UUID | None, case: UUID | None,
               now: datetime) -> bool:
     """Insert an outbox event; False when its (deterministic) id was already written."""
     done = conn.execute(
@@ -627,7 +626,14 @@ def due_rows_query(now: datetime, *, rows: int, scan: int) -> sa.Select[Any]:
     """004 §3 selection: rows PARTIALLY_FAILED/FAILED with a retryable artifact whose next_retry_at has
     come (the permanent codes are excluded by `is_retryable`), found through the due-rows index."""
     a, r = file_job_artifact, file_job_row
-    due_artifacts = sa.select(a.c.file_job_row_id).where(_due_now(now)).order_by(a.c.next_retry_at).limit(scan)
+    # Only columns of 004's covering index here, so this is an index-only range scan in next_retry_at
+    # order that stops after `scan` entries, whatever the table's size; `is_retryable` is re-checked
+    # by the update that schedules them (`_due_now`), which is what excludes the permanent codes.
+    due_artifacts = (
+        sa.select(a.c.file_job_row_id)
+        .where(sa.text(RETRY_SCAN_PREDICATE), a.c.next_retry_at <= now, a.c.attachment_status != ATTACHED)
+        .order_by(a.c.next_retry_at).limit(scan)
+    )
     return (
         sa.select(r.c.id, r.c.file_job_id)
         .where(r.c.id.in_(due_artifacts), r.c.evidence_status.in_(("PARTIALLY_FAILED", "FAILED")))
@@ -656,6 +662,15 @@ def requeue_due(conn: sa.Connection, *, now: datetime, rows: int, scan: int,
         after_lock([x.id for x in locked])
     if not locked:
         return []
+    jobs, rows_ = {x.file_job_id for x in locked}, [x.id for x in locked]
+    # A due artifact that is not retryable (a permanent code left RETRY_FAILED by hand or by an old
+    # writer) is closed, so it leaves the due-rows index instead of holding a batch slot every tick.
+    conn.execute(
+        sa.update(a)
+        .where(a.c.file_job_id.in_(jobs), a.c.file_job_row_id.in_(rows_), sa.text(RETRY_SCAN_PREDICATE),
+               a.c.next_retry_at <= now, a.c.attachment_status != ATTACHED, a.c.is_retryable.is_not(True))
+        .values(retry_status=PERMANENT_FAILED, next_retry_at=None, updated_at=now)
+    )
     scheduled = conn.execute(
         sa.update(a)
         .where(a.c.file_job_id.in_({x.file_job_id for x in locked}), a.c.file_job_row_id.in_([x.id for x in locked]),

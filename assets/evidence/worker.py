@@ -92,7 +92,6 @@ class AttachWorker:
         self.max_attempts = max_attempts
         self.hooks = hooks or WorkerHooks()
         self.run_id = run_id
-        self.replaying = False
 
     def process_event(self, event_id: UUID) -> RowResult:
         with self.runtime.engine.connect() as conn:
@@ -112,7 +111,6 @@ class AttachWorker:
                     event_id: UUID | None = None) -> RowResult:
         engine = self.runtime.engine
         result = RowResult(job_id, row_id, event_id)
-        self.replaying = mode == "replay"
         with engine.connect() as lock_conn, lock_conn.begin():
             if repo.lock_row(lock_conn, job_id, row_id) is None:
                 raise PermanentError(Failure.of(Code.INVARIANT_VIOLATION, message=f"no row {row_id} in {job_id}"))
@@ -123,7 +121,7 @@ class AttachWorker:
                 repo.claim_attempts(conn, plan, self.runtime.now())
             pending: list[policy.ArtifactWrite] = []
             for planned in plan:
-                outcome = self._attempt(planned)
+                outcome = self._attempt(planned, last=mode == "replay" or planned.attempt >= self.max_attempts)
                 self.hooks.after_case_api(planned.artifact.id, outcome)
                 write, done = self._decide(planned, outcome, replay=mode == "replay")
                 pending.append(write)
@@ -141,7 +139,7 @@ class AttachWorker:
             result.dead_letter_id = dead_letter_row(self.runtime, summary, run_id=self.run_id)
         return result
 
-    def _attempt(self, planned: policy.PlannedAttempt) -> policy.AttemptOutcome:
+    def _attempt(self, planned: policy.PlannedAttempt, *, last: bool) -> policy.AttemptOutcome:
         a = planned.artifact
         try:
             if planned.lookup_first:  # the race 004 §4 misses: attached at the API, not on record here
@@ -153,7 +151,7 @@ class AttachWorker:
             return policy.AttemptOutcome(done.attachment_id)
         except Exception as exc:  # noqa: BLE001 - every failure is classified into 004's codes
             failure = EVIDENCE.apply(classify_exception(exc, now=self.runtime.now()))
-        if failure.retryable and (planned.attempt >= self.max_attempts or self.replaying):
+        if failure.retryable and last:
             # The last attempt ended in an unknown outcome (a 5xx, a timeout, a lost answer): before calling
             # it failed for good, ask whether it was attached after all, or N2 would report a file as failed
             # that the case holds.
@@ -171,7 +169,9 @@ class AttachWorker:
         if pending:
             with self.runtime.engine.begin() as conn:
                 for write in pending:
-                    repo.write_outcome(conn, write, write.decided_at)
+                    if not repo.write_outcome(conn, write, write.decided_at):
+                        log.warning("artifact %s: attempt %s was already recorded; outcome not written",
+                                    write.artifact_id, write.attempt_count)
             pending.clear()
 
     def _decide(self, planned: policy.PlannedAttempt, outcome: policy.AttemptOutcome, *,

@@ -110,7 +110,8 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     with ctx.engine.begin() as conn:
         deadletters.request_replay(conn, denied.id, evidence="DEMO-6: LLM API key rotated", confirm_safe=True,
                                    at=SystemClock().now(), operator="demo")
-    replays = ctx.tick("redrive_dead_letter_replays")
+    replays = [r for r in ctx.tick("redrive_dead_letter_replays")  # (other letters may be replaying too)
+               if r.dagster_run.tags.get("redrive/replay_of") == str(denied.id)]
     assert replays and all(r.success for r in replays), "replay run failed"
     counts, _ = _drain(ctx)
     assert counts == {"succeeded": 2}, counts

@@ -170,28 +170,25 @@ class PartitionRun:
         started = self.monotonic()
         ids = [str(pool.ids[i]) for i in rows]
         claimed, failures = self._batch(out, "claim", ids, self._claim)
+        untouched = set(ids) - {c.user_id for c in claimed} - {f.user_id for f in failures}  # completed before
         out.claimed += len(claimed)
-        out.already_completed += len(ids) - len(claimed) - len(failures)
-        returning = {c.user_id for c in claimed if c.previous_error is not None}
-        if replay:  # a replayed user that is already done: its dead letter can close
-            returning |= set(ids) - {c.user_id for c in claimed} - {f.user_id for f in failures}
+        out.already_completed += len(untouched)
 
-        mine = sorted(index[c.user_id] for c in claimed)
         good = []
-        for i in mine:
+        for i in sorted(index[c.user_id] for c in claimed):
             if pool.valid[i]:
                 good.append(i)
             else:
-                failure = MATCHMAKING.apply(Failure.of(Code.DATA_ERROR, message=f"profile invalid: {pool.problems[i]}"))
+                failure = MATCHMAKING.apply(Failure.of(Code.DATA_ERROR,
+                                                       message=f"profile invalid: {pool.problems[i]}"))
                 failures.append(UserFailure(str(pool.ids[i]), "validate", failure, 1))
         offers, broken = self._score(pool, good)
         failures.extend(broken)
-        bad = {index[f.user_id] for f in broken}
-        good = [i for i in good if i not in bad]
+        broken_rows = {index[f.user_id] for f in broken}
+        good = [i for i in good if i not in broken_rows]
 
         rows_by_user = policy.offer_rows(pool, offers.only(good), self.partition.date)
-        documents = {str(pool.ids[i]): policy.offers_document(rows_by_user.get(str(pool.ids[i]), ()))
-                     for i in good}
+        documents = {u: policy.offers_document(rows_by_user.get(u, ())) for u in (str(pool.ids[i]) for i in good)}
         done, write_failures = self._batch(out, "write", sorted(documents),
                                            lambda users: self._write(users, rows_by_user, documents))
         failures.extend(write_failures)
@@ -199,7 +196,12 @@ class PartitionRun:
         out.completed_elsewhere += len(documents) - len(done) - len(write_failures)
         out.offers_written += sum(len(rows_by_user.get(u, ())) for u in done)
         self._settle(out, failures)
-        for user_id in sorted(returning & (set(done) | (set(ids) - {c.user_id for c in claimed}))):
+
+        # Work that completed closes its dead letter: users that had failed before, and replayed users found done.
+        closing = {c.user_id for c in claimed if c.previous_error is not None} & set(done)
+        if replay:
+            closing |= untouched
+        for user_id in sorted(closing):
             if self.runtime.succeeded(policy.PIPELINE, self.partition.user_ref(user_id)) is not None:
                 out.dead_letters_closed += 1
         out.chunk_seconds.append((self.monotonic() - started, len(claimed)))
@@ -230,8 +232,10 @@ class PartitionRun:
                     broken.append(UserFailure(str(pool.ids[i]), "score", POLICY.classify(exc), 1,
                                               sanitize_exception(exc)))
             offers = Offers.concat(parts)
-        for i, why in sorted(policy.offer_invariant_violations(pool, offers, self.knobs.daily_offer_count).items()):
-            failure = MATCHMAKING.apply(Failure.of(Code.INVARIANT_VIOLATION, message=f"offers break an invariant: {why}"))
+        violations = policy.offer_invariant_violations(pool, offers, self.knobs.daily_offer_count)
+        for i, why in sorted(violations.items()):
+            failure = MATCHMAKING.apply(Failure.of(Code.INVARIANT_VIOLATION,
+                                                   message=f"offers break an invariant: {why}"))
             broken.append(UserFailure(str(pool.ids[i]), "score", failure, 1))
         return offers, broken
 

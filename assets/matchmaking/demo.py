@@ -25,11 +25,11 @@ PARTITION = Partition.parse("2026-03-08", "America/New_York")  # the night US cl
 KEY = f"{PARTITION.date.isoformat()}|{PARTITION.timezone}"
 WEIGHTS_PATH = "matchmaking/scoring/demo-1.json"
 WEIGHTS = {"version": "demo-1", "interests": 0.55, "age": 0.15, "distance": 0.25, "variety": 0.05}
-QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}  # runs fail on purpose here
 
 
 def run_demo(ctx):  # -> orchestration.demo.DemoReport
-    from orchestration.demo import DemoReport
+    from orchestration.demo import DemoReport, evaluate_sensor
 
     report = DemoReport(PIPELINE)
     # As an operator who publishes scoring weights to the artifact store configures it (MATCHMAKING_SCORING_PATH).
@@ -85,7 +85,7 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     with ctx.engine.begin() as conn:
         deadletters.request_replay(conn, letters[first_bad].id, evidence="DEMO-4: profile age range corrected",
                                    confirm_safe=True, at=SystemClock().now(), operator="demo")
-    requests = _tick(defs, ctx.instance, "redrive_dead_letter_replays")
+    requests = evaluate_sensor(defs, ctx.instance, "redrive_dead_letter_replays")
     mine_requests = [r for r in requests if r.tags.get("redrive/replay_of") == str(letters[first_bad].id)]
     assert len(mine_requests) == 1, "the replay sensor did not request the user's run"
     request = mine_requests[0]
@@ -122,12 +122,3 @@ def _letters(engine: sa.Engine, users: list[str]) -> dict[str, deadletters.DeadL
         rows = conn.execute(sa.select(dead_letters).where(dead_letters.c.pipeline == PIPELINE,
                                                           dead_letters.c.entity_ref.in_(list(refs))))
         return {refs[r.entity_ref]: deadletters.DeadLetter.from_row(r) for r in rows}
-
-
-def _tick(defs: dg.Definitions, instance: dg.DagsterInstance, sensor_name: str) -> list[dg.RunRequest]:
-    # DemoContext.tick builds the sensor context without the repository, which Dagster needs for
-    # partitioned run requests; this does what the daemon does.
-    sensor = defs.resolve_sensor_def(sensor_name)
-    with dg.build_sensor_context(instance=instance, resources=defs.resources, sensor_name=sensor_name,
-                                 repository_def=defs.get_repository_def()) as context:
-        return list(sensor.evaluate_tick(context).run_requests or [])

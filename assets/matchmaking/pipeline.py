@@ -24,7 +24,7 @@ from assets.matchmaking.policy import Partition, PartitionHealth, ScoringWeights
 from assets.matchmaking.settings import MatchmakingSettings
 from redrive.alerts import Alert
 from redrive.reliability import Reliability
-from redrive.stages import DEAD_LETTERED_TAG, DeferredRetry, Unit, run_stage
+from redrive.stages import DEAD_LETTERED_TAG, DeferredRetry, EntityRunFields, Unit, entity_run_config, run_stage
 from resources.http import ArtifactStoreResource
 from resources.reliability import ReliabilityResource
 
@@ -35,15 +35,10 @@ CHECK_DUPLICATES = "zero_duplicate_offers"
 CHECK_COMPLETION = "completion_rate_at_least_99_9_percent"
 
 
-class MatchmakingRunConfig(dg.Config):
+class MatchmakingRunConfig(EntityRunFields):
     """Optional: a replay names the users to redo; a plain run (schedule, backfill, UI) needs nothing."""
 
     user_ids: list[str] = []
-    replay_of: int | None = None
-    replay_from: str | None = None
-    stage: str | None = None
-    attempt: int | None = None
-    prior_attempts: dict[str, int] = {}
 
     @field_validator("user_ids")
     @classmethod
@@ -78,8 +73,8 @@ def key_of(partition: Partition) -> dg.MultiPartitionKey:
 def replay_run_config(entity_ref: str, extra: Mapping[str, object]) -> dict[str, Any]:
     """A dead letter's entity as a run: `{date}:{tz}:{user}` redoes that user, `{date}:{tz}` the partition."""
     _, user_id = policy.parse_entity_ref(entity_ref)
-    allowed = {k: v for k, v in extra.items() if k in MatchmakingRunConfig.model_fields and v is not None}
-    return {"ops": {ASSET: {"config": {**allowed, "user_ids": [user_id] if user_id else []}}}}
+    values = {k: v for k, v in extra.items() if v is not None}
+    return entity_run_config(MatchmakingRunConfig, [ASSET], **values, user_ids=[user_id] if user_id else [])
 
 
 def replay_partition_key(entity_ref: str) -> str:

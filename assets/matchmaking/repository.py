@@ -267,7 +267,7 @@ _HEALTH_SQL = sa.text("""
 
 
 def partition_health(conn: sa.Connection, day: date, timezone: str) -> PartitionHealth:
-    """Jobs by status and offers of one partition; a duplicate is an offer repeated, or outside its user's recorded set."""
+    """Jobs by status and offers of a partition; a duplicate is an offer repeated or outside its user's recorded set."""
     row = conn.execute(_HEALTH_SQL, {"day": day, "tz": timezone}).one()
     return PartitionHealth(jobs=row.jobs, completed=row.completed, failed=row.failed, unfinished=row.unfinished,
                            offers=row.offers, duplicate_offers=row.duplicate_offers)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import random
+from datetime import timedelta
 
 import sqlalchemy as sa
 
@@ -83,7 +83,7 @@ def test_claim_skips_a_future_retry_after_and_takes_a_due_job(engine, submit, ma
     newer = submit()
     with engine.begin() as conn:
         conn.execute(sa.update(repo.conversion_jobs).where(repo.conversion_jobs.c.id == older)
-                     .values(retry_after=clock.now() + __import__("datetime").timedelta(seconds=30)))
+                     .values(retry_after=clock.now() + timedelta(seconds=30)))
     worker = make_worker()
     first = worker.claim()
     assert first is not None and first.job_id == newer
@@ -133,7 +133,6 @@ def test_jitter_is_spread_across_jobs(reliability) -> None:
     delays = {ExponentialPlusJitter().delay(1, reliability.rng_for(f"conversion:{i}:convert:1")) for i in range(20)}
     assert len(delays) == 20
     assert all(5.0 <= d <= 10.0 for d in delays)
-    assert random.Random(0).random() != random.Random(1).random()
 
 
 def test_every_worker_action_is_one_json_line_with_the_fields_of_003(engine, sandbox, submit, make_worker, clock,
@@ -160,3 +159,43 @@ def test_every_worker_action_is_one_json_line_with_the_fields_of_003(engine, san
                                                                                                 "GW_5XX")
     assert (done["status"], done["attempt"], done["gateway_status"]) == ("succeeded", 2, 200)
     assert [line["event"] for line in lines].count("job_claimed") == 2
+
+
+def test_the_loop_rides_out_a_database_blip_and_gives_up_when_it_lasts(engine, submit, make_worker, reliability,
+                                                                       monkeypatch, caplog) -> None:
+    """Two transient database errors between turns are logged and backed off, then the queue drains;
+    a database that stays away makes the loop give up (re-raise) after MAX_CONSECUTIVE_ERRORS turns."""
+    import logging
+
+    import psycopg2
+    import pytest
+
+    from assets.conversion.worker import MAX_CONSECUTIVE_ERRORS
+
+    def outage() -> sa.exc.OperationalError:
+        return sa.exc.OperationalError("SELECT", {}, psycopg2.OperationalError("server closed the connection"))
+
+    caplog.set_level(logging.INFO, logger="redrive.conversion.worker")
+    job_id = submit()
+    worker = make_worker()
+    reliability.time_scale = 0.001  # the loop's backoff (1 s, 2 s, …) in milliseconds
+    real_claim, blips = worker.claim, [outage(), outage()]
+
+    def flaky_claim():
+        if blips:
+            raise blips.pop()
+        return real_claim()
+
+    monkeypatch.setattr(worker, "claim", flaky_claim)
+    report = worker.run(until_idle=0.0)
+    assert report.succeeded == 1 and job(engine, job_id).status == "succeeded"
+    assert sum('"worker_error"' in r.getMessage() for r in caplog.records) == 2
+
+    def down():
+        raise outage()
+
+    monkeypatch.setattr(worker, "claim", down)
+    caplog.clear()
+    with pytest.raises(sa.exc.OperationalError):
+        worker.run(until_idle=0.0)
+    assert sum('"worker_error"' in r.getMessage() for r in caplog.records) == MAX_CONSECUTIVE_ERRORS

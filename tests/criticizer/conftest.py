@@ -92,15 +92,6 @@ def run(cdefs: dg.Definitions, instance: dg.DagsterInstance) -> Callable[..., dg
     return _run
 
 
-def launch_partitioned(defs: dg.Definitions, instance: dg.DagsterInstance,
-                       request: dg.RunRequest) -> dg.ExecuteInProcessResult:
-    """Launch a sensor's run request as the daemon would: its run key, tags and partition."""
-    tags = {**(request.tags or {}), **({"dagster/run_key": request.run_key} if request.run_key else {})}
-    return defs.resolve_job_def(request.job_name or "criticizer_job").execute_in_process(
-        run_config=request.run_config, tags=tags, instance=instance, partition_key=request.partition_key,
-        raise_on_error=False)
-
-
 def retry_waits(instance: dg.DagsterInstance, run_id: str, stage: str) -> list[float]:
     """seconds_to_wait of each STEP_UP_FOR_RETRY of one stage's op, from Dagster's event log."""
     events = instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.STEP_UP_FOR_RETRY).records

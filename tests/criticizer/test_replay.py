@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from assets.criticizer import api
 from redrive.cli import app
 from redrive.schema import dead_letters
-from tests.criticizer.conftest import ALERTS_PATH, RESULTS_PATH, launch_partitioned, slack_posts, webhook_posts
-from tests.dagster_helpers import tick
+from tests.criticizer.conftest import ALERTS_PATH, RESULTS_PATH, slack_posts, webhook_posts
+from tests.dagster_helpers import launch, tick
 
 
 def cli(db_url: str, *args: str):
@@ -41,8 +41,8 @@ def test_replay_after_llm_exhaustion_runs_llm_and_notify_only(cdefs, run, submit
     out = cli(db_url, "dlq", "replay", str(letter_id), "--note", "INC-7: LLM provider recovered", "--confirm-safe")
     assert out.exit_code == 0 and "from stage llm" in out.output
     [request] = tick(cdefs, instance, "redrive_dead_letter_replays")
-    assert request.run_key == "criticizer:run:replay-me:replay-1"
-    replay = launch_partitioned(cdefs, instance, request)
+    assert request.run_key == "criticizer:run:replay-me:replay-1" and request.partition_key == "replay-me"
+    replay = launch(cdefs, instance, request)
     assert replay.success
 
     assert sandbox.count("store.fetch") == 1  # fetched once in all
@@ -93,7 +93,7 @@ def test_same_non_retryable_class_after_replay_redeadletters_and_escalates(cdefs
     cli(db_url, "dlq", "replay", str(letter["id"]), "--note", "INC-9: rotated the webhook token", "--confirm-safe")
     sandbox.script("slack", {"status": 401})  # the token was not the problem
     [request] = tick(cdefs, instance, "redrive_dead_letter_replays")
-    assert not launch_partitioned(cdefs, instance, request).success
+    assert not launch(cdefs, instance, request).success
 
     shown = json.loads(cli(db_url, "dlq", "show", str(letter["id"]), "--json").output)
     assert shown["status"] == "escalated" and shown["escalated_at"] and shown["occurrences"] == 2
@@ -116,7 +116,7 @@ def test_full_restart_refetches_and_recritiques(cdefs, run, submit, engine, sand
               "--from-start")
     assert out.exit_code == 0 and "from all stages" in out.output
     [request] = tick(cdefs, instance, "redrive_dead_letter_replays")
-    assert launch_partitioned(cdefs, instance, request).success
+    assert launch(cdefs, instance, request).success
     assert sandbox.count("store.fetch") == 2 and sandbox.count("llm.call") == 2
     assert len(webhook_posts(sandbox, "restart")) == 1
     assert api.status(engine, request_id).status == "done"

@@ -7,8 +7,8 @@ import sqlalchemy as sa
 from assets.criticizer import api, pipeline
 from orchestration.definitions import build_definitions
 from redrive.schema import dead_letters, deferred_attempts
-from tests.criticizer.conftest import launch_partitioned, sandbox_url, webhook_posts, webhook_url
-from tests.dagster_helpers import tick
+from tests.criticizer.conftest import sandbox_url, webhook_posts, webhook_url
+from tests.dagster_helpers import launch, tick
 
 
 def _request(name: str) -> dict[str, object]:
@@ -29,7 +29,7 @@ def test_submitted_requests_become_partitions_and_runs_once(cdefs, instance, eng
     assert tick(cdefs, instance, "criticizer_new_requests") == requests  # a repeated tick: same keys, deduped
 
     for request in requests:
-        result = launch_partitioned(cdefs, instance, request)
+        result = launch(cdefs, instance, request)
         assert result.success
         assert instance.get_run_by_id(result.run_id).tags["dagster/partition"] == request.partition_key
     assert [api.status(engine, n).status for n in ("doc-a", "doc-b")] == ["done", "done"]
@@ -52,8 +52,8 @@ def test_retry_after_over_the_durable_threshold_resumes_from_a_timer(crit_settin
     assert timer.payload["stage"] == "llm" and timer.payload["prior_attempts"]["llm"] == 1
 
     [request] = tick(defs, instance, "criticizer_deferred_retries")
-    assert request.run_key == "criticizer:run:durable:attempt-2"
-    assert launch_partitioned(defs, instance, request).success
+    assert request.run_key == "criticizer:run:durable:attempt-2" and request.partition_key == "durable"
+    assert launch(defs, instance, request).success
     assert sandbox.count("store.fetch") == 1 and len(webhook_posts(sandbox, "durable")) == 1
     assert api.status(engine, request_id).stage_attempts == {"fetch": 1, "llm": 2, "notify": 1}
     assert tick(defs, instance, "criticizer_deferred_retries") == []
@@ -67,7 +67,7 @@ def test_attempts_carry_across_the_durable_run(crit_settings, instance, engine, 
     sandbox.script("llm", {"status": 429, "headers": {"Retry-After": "120"}}, {"status": 401})
     run(request_id, defs=defs)
     [request] = tick(defs, instance, "criticizer_deferred_retries")
-    assert not launch_partitioned(defs, instance, request).success
+    assert not launch(defs, instance, request).success
     with engine.connect() as conn:
         letter = conn.execute(sa.select(dead_letters)).one()
     assert (letter.stage, letter.attempts, letter.error_class) == ("llm", 2, "AUTH_DENIED")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections import Counter
 
 import sqlalchemy as sa
@@ -61,7 +62,7 @@ def test_thousand_artifacts_with_faults_end_attached_or_failed_for_good(driver, 
                                       A.c.attempt_count, A.c.case_attachment_id)).all()
         rows = conn.execute(sa.select(repo.file_job_row.c.evidence_status)).scalars().all()
         letters = conn.execute(sa.text("SELECT error_class FROM dead_letters WHERE pipeline = 'evidence'")).scalars().all()
-        file_job = repo.get_file_job(conn, __import__("uuid").UUID(job))
+        file_job = repo.get_file_job(conn, uuid.UUID(job))
     attached = {a.id for a in arts if a.attachment_status == "ATTACHED"}
     failed = [a for a in arts if a.attachment_status != "ATTACHED"]
     assert len(arts) == 1000

@@ -235,3 +235,21 @@ def test_two_workers_on_one_row_attach_each_artifact_once(runtime, case_api, set
     assert not errors
     assert sorted(len(r.results) for r in results) == [0, 5]
     assert sandbox.count("case.attach") == 5 and attach_statuses(sandbox) == [201] * 5
+
+
+def test_no_secret_from_an_error_body_reaches_the_artifact_or_the_dead_letter(runtime, case_api, seed_job, engine,
+                                                                               sandbox) -> None:
+    """An upstream error echoing a token: the stored message, the dead letter and the alert carry the code,
+    never the token."""
+    job, [event], _ = seed_job(per_row=1)
+    secret = "sk-live-4f9a8b7c6d5e4f3a2b1c"
+    sandbox.script("case.attach", {"status": 401, "json": {"error": {"code": "UNAUTHORIZED",
+                                                                      "message": f"bad token Bearer {secret}"}}})
+    AttachWorker(runtime, case_api, max_attempts=3).process_event(event)
+    [a] = artifacts(engine, job)
+    assert a.attachment_error_code == "UNAUTHORIZED" and secret not in (a.attachment_error_message or "")
+    with engine.connect() as conn:
+        letter = conn.execute(sa.text("SELECT error_message, last_stack, sanitized_context::text AS ctx "
+                                      "FROM dead_letters")).one()
+    assert secret not in letter.error_message + letter.last_stack + letter.ctx
+    assert all(secret not in str(m["payload"]) for m in sandbox.effects("slack.message"))

@@ -78,14 +78,19 @@ def test_document_without_candidates_succeeds_without_asking_the_llm(engine, que
 
 
 def test_in_process_retries_ride_out_429_and_503_within_one_delivery(engine, queue, sandbox, make_worker) -> None:
-    """429 (Retry-After 1) and 503, then ok: 3 LLM calls, waits 2 s and 4 s, one delivery counted."""
+    """429 (Retry-After 1) and 503, then ok: 3 LLM calls, waits 2 s and 4 s with a visibility heartbeat
+    before each, one delivery counted."""
     two_documents(engine, queue)
     sandbox.set_default("llm", content=MATCH_FIRST)
     sandbox.script("llm", {"status": 429, "headers": {"Retry-After": "1"}}, {"status": 503})
-    sleeps = Sleeps()
-    outcome = make_worker(sleep=sleeps).handle(receive_one(queue))
+    sleeps, heartbeats = Sleeps(), []
+    worker = make_worker(sleep=sleeps)
+    extend = queue.change_visibility
+    worker.queue.change_visibility = lambda handle, seconds: (heartbeats.append(seconds), extend(handle, seconds))
+    outcome = worker.handle(receive_one(queue))
     assert (outcome.action, outcome.llm_calls) == (Action.SUCCEEDED, 3)
     assert sleeps == [2.0, 4.0]
+    assert heartbeats == [60, 60]  # before each wait the message is hidden for another visibility timeout
     assert row(engine, "d-2")["matching_attempts"] == 1  # deliveries, not LLM retries
     assert [r["step"] for r in sandbox.requests("llm")] == ["status:429", "status:503", "ok"]
 

@@ -17,13 +17,15 @@ def candidates_for(engine, doc_id: str) -> list[str]:
 
 
 def test_each_signal_finds_its_candidate_and_other_tenants_stay_out(engine, queue) -> None:
-    """Same normalized counterparty, a shared reference, or near-identical text each retrieve; tenants never mix."""
+    """Same normalized counterparty, a shared reference, or a near-duplicate text (LSH) each retrieve;
+    tenants never mix."""
     ingest(
         engine, queue,
         doc("q", counterparty="Globex Corporation", references=["PO-991"], text="steel beams, 40 pieces"),
         doc("by-counterparty", counterparty="GLOBEX corp.", references=["X-1"], text="unrelated words entirely"),
         doc("by-reference", counterparty="Initech", references=["po 991"], text="something else"),
-        doc("by-text", counterparty="Globex Europe", references=["Z-77"], doc_type="delivery_note",
+        # a re-typed copy: counterparty spelled apart (normalizes to "glob ex"), other reference, other type
+        doc("by-text", counterparty="Glob-ex Corporation", references=["Z-77"], doc_type="delivery_note",
             amount=None, text="steel beams, 40 pieces"),
         doc("stranger", counterparty="Umbrella", references=["U-5"], text="medical supplies", amount="3.10",
             currency="USD", document_date="2025-03-01", doc_type="receipt"),

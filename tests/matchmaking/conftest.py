@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,23 +64,6 @@ def run(defs: dg.Definitions, instance: dg.DagsterInstance, key: str = KEY, *,
         partition_key=key, run_config=run_config, instance=instance, tags=dict(tags or {}), raise_on_error=False)
 
 
-def tick(defs: dg.Definitions, instance: dg.DagsterInstance, sensor_name: str) -> list[dg.RunRequest]:
-    """One daemon tick of a sensor. Unlike tests.dagster_helpers.tick it passes the repository, which Dagster
-    needs to resolve partitioned run requests (the replay of a matchmaking dead letter names its partition)."""
-    sensor = defs.resolve_sensor_def(sensor_name)
-    with dg.build_sensor_context(instance=instance, resources=defs.resources, sensor_name=sensor_name,
-                                 repository_def=defs.get_repository_def()) as context:
-        return list(sensor.evaluate_tick(context).run_requests or [])
-
-
-def launch(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest) -> dg.ExecuteInProcessResult:
-    """A sensor's request as the daemon launches it: its job, config, tags, run key and partition."""
-    tags = {**(request.tags or {}), **({"dagster/run_key": request.run_key} if request.run_key else {})}
-    return defs.resolve_job_def(request.job_name or "matchmaking_job").execute_in_process(
-        run_config=request.run_config, tags=tags, partition_key=request.partition_key, instance=instance,
-        raise_on_error=False)
-
-
 def offers(engine: sa.Engine) -> list[tuple]:
     """Every offer row, all columns, in id order."""
     with engine.connect() as conn:
@@ -102,12 +85,15 @@ def subprocess_env(db_url: str, **extra: str) -> dict[str, str]:
             "REDRIVE_TIME_SCALE": "0.001", "PYTHONPATH": str(PROJECT_ROOT), **extra}
 
 
-def start_partition_process(db_url: str, key: str = KEY, *, go_file: Path | None = None,
+def start_partition_process(db_url: str, log: Path, key: str = KEY, *, go_file: Path | None = None,
                             **env: str) -> subprocess.Popen[str]:
-    """`tests.matchmaking.run_partition` in a child process: the job executed in process, on this database."""
+    """`tests.matchmaking.run_partition` in a child process: the job executed in process, on this database.
+
+    Its stderr goes to `log` (a pipe nobody reads could fill up and stall the child)."""
     args = [sys.executable, "-m", "tests.matchmaking.run_partition", key] + ([str(go_file)] if go_file else [])
-    return subprocess.Popen(args, cwd=PROJECT_ROOT, env=subprocess_env(db_url, **env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    with log.open("w") as err:
+        return subprocess.Popen(args, cwd=PROJECT_ROOT, env=subprocess_env(db_url, **env), stdout=subprocess.PIPE,
+                                stderr=err, text=True)
 
 
 def wait_for(condition, *, timeout: float = 60.0, what: str = "condition") -> None:
@@ -120,6 +106,3 @@ def wait_for(condition, *, timeout: float = 60.0, what: str = "condition") -> No
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
 
-
-def valid_ids(rows: Sequence[Mapping[str, Any]]) -> set[str]:
-    return {r["id"] for r in rows}

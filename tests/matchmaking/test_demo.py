@@ -6,7 +6,7 @@ import sqlalchemy as sa
 
 
 def test_demo_runs_twice_in_a_row(mm_defs, instance, scaled_settings, sandbox, engine) -> None:
-    """Each demo run scripts its own faults, checks its own outcome (retries, dead letters, replay) and succeeds again."""
+    """Each demo run scripts its faults, checks its outcome (retries, dead letters, replay) and succeeds again."""
     from assets.matchmaking.demo import run_demo
     from orchestration.demo import DemoContext
 

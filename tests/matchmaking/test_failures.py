@@ -19,7 +19,8 @@ from assets.matchmaking.policy import BUILTIN_WEIGHTS, Partition
 from redrive.cli import app
 from redrive.reliability import Reliability
 from redrive.stages import DEAD_LETTERED_TAG
-from tests.matchmaking.conftest import DAY, KEY, TZ, dead_letters, jobs, launch, offers, run, tick
+from tests.dagster_helpers import launch, tick
+from tests.matchmaking.conftest import DAY, KEY, TZ, dead_letters, jobs, offers, run, wait_for
 
 PARTITION = Partition.parse(DAY, TZ)
 
@@ -302,12 +303,13 @@ def test_malformed_weights_dead_letter_the_partition_until_replayed(store_defs, 
 
 
 def test_a_stray_offer_fails_the_duplicate_check_and_alerts(mm_defs, instance, engine, sandbox, population) -> None:
-    """An offer outside a user's recorded set (a second set written around the pipeline) fails the check and alerts once."""
+    """An offer outside a user's recorded set (written around the pipeline) fails the check and alerts, once."""
     rows = population(12, regions=1)
     assert run(mm_defs, instance).success
     done = jobs(engine)
-    user = next(u for u, j in done.items() if len(j.offers) < 3 or True)
-    stranger = next(r["id"] for r in rows if r["id"] != user and r["id"] not in {o["candidate_id"] for o in done[user].offers})
+    user = rows[0]["id"]
+    offered = {o["candidate_id"] for o in done[user].offers}
+    stranger = next(r["id"] for r in rows if r["id"] != user and r["id"] not in offered)
     with engine.begin() as conn:
         conn.execute(sa.text(
             "INSERT INTO matchmaking_offers (id, date, timezone, user_id, candidate_id, rank, compatibility_score, "
@@ -315,9 +317,8 @@ def test_a_stray_offer_fails_the_duplicate_check_and_alerts(mm_defs, instance, e
             "'2026-03-08 13:00Z', '2026-03-09 13:00Z')"), {"d": DAY, "tz": TZ, "u": user, "c": stranger})
     result = run(mm_defs, instance)
     assert result.success
-    checks = {e.check_name: (e.passed, e.metadata["duplicate_offers"].value if "duplicate_offers" in e.metadata else None)
-              for e in result.get_asset_check_evaluations()}
-    assert checks["zero_duplicate_offers"] == (False, 1)
+    [check] = [e for e in result.get_asset_check_evaluations() if e.check_name == "zero_duplicate_offers"]
+    assert not check.passed and check.metadata["duplicate_offers"].value == 1
     assert ("duplicate_offers", f"{DAY}:{TZ}") in alerts(engine)
     run(mm_defs, instance)
     assert alerts(engine).count(("duplicate_offers", f"{DAY}:{TZ}")) == 1
@@ -332,3 +333,32 @@ def test_bad_user_ids_in_run_config_are_refused_before_anything_is_written(mm_de
     assert "user_ids: '42; DROP TABLE users' is not a UUID" in result.failure_data_for_node(
         "daily_match_offers").error.message
     assert jobs(engine) == {} and dead_letters(engine) == []
+
+
+def test_a_long_store_backoff_becomes_a_durable_timer_and_its_run_completes(scaled_settings, mm_env, monkeypatch,
+                                                                             instance, engine, sandbox,
+                                                                             population) -> None:
+    """With waits over the durable threshold, a store 503 leaves the run as a timer; the timer's run (partition,
+    attempt 2) completes the partition and consumes it."""
+    from orchestration.definitions import build_definitions
+
+    monkeypatch.setenv("MATCHMAKING_SCORING_PATH", "matchmaking/scoring/w-7.json")
+    defs = build_definitions(scaled_settings.model_copy(update={"redrive_durable_wait_threshold_seconds": 1.0}))
+    population(6)
+    sandbox.put_store("matchmaking/scoring/w-7.json", WEIGHTS, "application/json")
+    sandbox.script("store", {"status": 503})
+    first = run(defs, instance)
+    assert not first.success and jobs(engine) == {} and dead_letters(engine) == []
+    assert instance.get_run_by_id(first.run_id).tags.get("redrive/deferred") == "true"
+    with engine.connect() as conn:
+        [timer] = conn.execute(sa.text("SELECT entity_ref, attempt, status FROM deferred_attempts")).all()
+    assert tuple(timer) == (f"{DAY}:{TZ}", 2, "waiting")
+
+    # due 30 ms (30 s × time_scale) after the failure, by the real clock the sensor reads
+    wait_for(lambda: bool(tick(defs, instance, "matchmaking_deferred_retries")), what="the timer", timeout=10)
+    [request] = tick(defs, instance, "matchmaking_deferred_retries")
+    assert request.partition_key == KEY and request.run_key == f"matchmaking:run:{DAY}:{TZ}:attempt-2"
+    assert launch(defs, instance, request).success
+    assert len(jobs(engine)) == 6
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT status FROM deferred_attempts")).scalar() == "requested"

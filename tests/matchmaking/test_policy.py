@@ -47,8 +47,8 @@ def random_frame(seed: int, n: int, regions: int = 3) -> pd.DataFrame:
 
 
 def as_tuples(pool: policy.Pool, offers: policy.Offers) -> list[tuple[str, str, int, int]]:
-    out = [(str(pool.ids[u]), str(pool.ids[c]), r, s) for u, c, r, s in
-           zip(offers.user.tolist(), offers.candidate.tolist(), offers.rank.tolist(), offers.score.tolist(), strict=True)]
+    columns = (offers.user.tolist(), offers.candidate.tolist(), offers.rank.tolist(), offers.score.tolist())
+    out = [(str(pool.ids[u]), str(pool.ids[c]), r, s) for u, c, r, s in zip(*columns, strict=True)]
     return sorted(out)
 
 
@@ -154,7 +154,8 @@ def test_invariant_check_names_each_broken_user() -> None:
     }
     for why, arrays in cases.items():
         bad = policy.Offers(*(np.array(v) for v in arrays))
-        found = policy.offer_invariant_violations(pool, policy.Offers.concat([good, bad]), 2 if why == "more than" else 3)
+        k = 2 if why == "more than" else 3
+        found = policy.offer_invariant_violations(pool, policy.Offers.concat([good, bad]), k)
         assert set(found) == {1} and why in found[1], (why, found)
 
 
@@ -164,6 +165,9 @@ def test_offer_ids_are_uuid5_of_date_user_candidate_under_a_fixed_namespace() ->
     assert oid == str(uuid.uuid5(policy.NAMESPACE, f"2026-03-08:{uid(1)}:{uid(2)}"))
     assert oid == "cee4f6f9-d4d0-5417-a681-a5694eadd9a2"
     assert policy.offer_id(DAY, uid(2), uid(1)) != oid
+    for i in range(200):  # the fast path is uuid.uuid5 exactly
+        user, cand = str(uuid.uuid4()), str(uuid.uuid4())
+        assert policy.offer_id(DAY, user, cand) == str(uuid.uuid5(policy.NAMESPACE, f"2026-03-08:{user}:{cand}"))
 
 
 @pytest.mark.parametrize(("day", "tz", "offered", "expires"), [
