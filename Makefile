@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-ci dev install validate bench clean
+.PHONY: demo test test-ci dev install validate bench clean browser
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,12 @@ demo: install
 	@$(PY) -m orchestration.demo
 
 ## make test: the whole suite; the local stack is started by the tests' fixtures.
-test: install
+test: install browser
 	@$(PY) -m pytest -q $(PYTEST_ARGS)
+
+## Debian's chromium for the browser test (003's Retry button); a no-op when it is installed.
+browser:
+	@bash scripts/install-browser.sh || echo "make: could not install chromium; the browser test will fail on CI and skip elsewhere"
 
 ## make test-ci: the suite once more against the machine's PostgreSQL service (DATABASE_URL).
 test-ci: install

@@ -45,6 +45,7 @@ app.add_typer(alerts_app, name="alerts")
 PIPELINE_COMMANDS = {
     "criticizer": "assets.criticizer.cli:app",
     "review": "assets.review_notifications.cli:app",
+    "worker": "assets.conversion.worker:worker_app",  # `redrive worker conversion`
 }
 
 
