@@ -45,41 +45,52 @@ class Reliability:
     def run_link(self, run_id: str | None) -> str | None:
         return f"{self.ui_url.rstrip('/')}/runs/{run_id}" if run_id else None
 
-    def fail_for_good(self, final: FinalFailure, *, link: str | None = None) -> Recorded:
+    def fail_for_good(self, final: FinalFailure, *, link: str | None = None,
+                      conn: sa.Connection | None = None) -> Recorded:
         """Dead-letter the final failure and enqueue its alert in one transaction, then try to send.
 
         Exactly once: the dead letter is one active row per entity and the alert's
         dedupe key names that row and its replay number, so a re-executed op or a
-        second worker adds an occurrence, not a second letter or message.
+        second worker adds an occurrence, not a second letter or message. Pass `conn`
+        to make it part of the caller's transaction (the entity's own `failed` write);
+        the alert is then sent by the caller's `try_dispatch()` after commit, or by the
+        alert sensor.
         """
-        with self.engine.begin() as conn:
-            recorded = deadletters.record(conn, final)
-            letter = recorded.dead_letter
-            if recorded.created or recorded.replay_failed:
-                kind = "escalation" if recorded.escalated else ("replay_failed" if recorded.replay_failed else "dead_letter")
-                what = {
-                    "dead_letter": "dead-lettered",
-                    "replay_failed": "failed again after replay",
-                    "escalation": "failed again with the same error after replay: escalated for engineering review",
-                }[kind]
-                alerts.enqueue(
-                    conn,
-                    Alert(
-                        pipeline=final.pipeline,
-                        kind=kind,
-                        dedupe_key=f"dead_letter:{letter.id}:{letter.replay_count}:{kind}",
-                        summary=f"{final.stage} {what}: {final.failure.message} "
-                        f"(dead letter {letter.id}; `redrive dlq show {letter.id}`)",
-                        entity_ref=final.entity_ref,
-                        tenant=final.tenant,
-                        error_class=final.failure.code,
-                        attempts=final.attempts,
-                        link=link or self.run_link(final.run_id),
-                    ),
-                    list(self.channels),
-                    self.now(),
-                )
+        if conn is not None:
+            return self._record_final(conn, final, link)
+        with self.engine.begin() as own:
+            recorded = self._record_final(own, final, link)
         self.try_dispatch()
+        return recorded
+
+    def _record_final(self, conn: sa.Connection, final: FinalFailure, link: str | None) -> Recorded:
+        """The dead letter and, when it is new or a replay failed, its alert (no sending here)."""
+        recorded = deadletters.record(conn, final)
+        letter = recorded.dead_letter
+        if recorded.created or recorded.replay_failed:
+            kind = "escalation" if recorded.escalated else ("replay_failed" if recorded.replay_failed else "dead_letter")
+            what = {
+                "dead_letter": "dead-lettered",
+                "replay_failed": "failed again after replay",
+                "escalation": "failed again with the same error after replay: escalated for engineering review",
+            }[kind]
+            alerts.enqueue(
+                conn,
+                Alert(
+                    pipeline=final.pipeline,
+                    kind=kind,
+                    dedupe_key=f"dead_letter:{letter.id}:{letter.replay_count}:{kind}",
+                    summary=f"{final.stage} {what}: {final.failure.message} "
+                    f"(dead letter {letter.id}; `redrive dlq show {letter.id}`)",
+                    entity_ref=final.entity_ref,
+                    tenant=final.tenant,
+                    error_class=final.failure.code,
+                    attempts=final.attempts,
+                    link=link or self.run_link(final.run_id),
+                ),
+                list(self.channels),
+                self.now(),
+            )
         return recorded
 
     def alert(self, alert: Alert) -> bool:
