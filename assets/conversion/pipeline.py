@@ -4,7 +4,7 @@ A worker run is the same :class:`~assets.conversion.worker.Worker` loop as ``red
 conversion``: it drains the due jobs and ends after WORKER_IDLE_EXIT_SEC with nothing to claim, and
 the ``conversion_workers`` sensor starts more while there is due work and the breaker is closed.
 Every run of these jobs is tagged ``redrive/pipeline=conversion``, which the instance's
-``tag_concurrency_limits`` cap at WORKER_CONCURRENCY (see docs/pipelines/conversion.md).
+``tag_concurrency_limits`` cap at WORKER_CONCURRENCY (see the conversion section of README.md).
 Re-running any of them is safe: a worker only ever takes jobs through the fenced claim, a probe only
 probes when one is due, and a replay only requeues a job that is still ``failed``.
 """
