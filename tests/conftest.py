@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -58,6 +59,19 @@ def db_url(admin_url: str, template_db: str) -> Iterator[str]:
     yield url
     engine_for(url).dispose()
     drop_database(admin_url, name)
+
+
+@pytest.fixture
+def project_tmp() -> Iterator[Path]:
+    """A scratch folder inside the project's .data (not /tmp: another pytest session may prune /tmp's
+    numbered folders while this one runs, and the embedded PostgreSQL must be able to traverse it)."""
+    import shutil
+    import uuid
+
+    folder = Settings().redrive_data_dir / "test-scratch" / uuid.uuid4().hex[:10]
+    folder.mkdir(parents=True)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

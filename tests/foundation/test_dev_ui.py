@@ -19,12 +19,12 @@ QUERY = ('{ workspaceOrError { ... on Workspace { locationEntries { name loadSta
          'locationOrLoadError { __typename ... on PythonError { message } } } } } }')
 
 
-def test_dagster_dev_loads_code_location_without_errors(tmp_path: Path) -> None:
+def test_dagster_dev_loads_code_location_without_errors(project_tmp: Path) -> None:
     """GraphQL reports the `redrive` location LOADED as a repository location; SIGTERM leaves nothing behind."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in {"DAGSTER_HOME"}}
-    env["REDRIVE_DATA_DIR"] = str(tmp_path / "data")
-    env["DAGSTER_HOME"] = str(tmp_path / "dagster_home")
+    env["REDRIVE_DATA_DIR"] = str(project_tmp / "data")
+    env["DAGSTER_HOME"] = str(project_tmp / "dagster_home")
     os.makedirs(env["DAGSTER_HOME"])
     dagster = str(Path(sys.executable).parent / "dagster")
     proc = subprocess.Popen([sys.executable, "-m", "devstack", "run", "--purpose", "uitest", "--", dagster, "dev",

@@ -40,10 +40,10 @@ def _run_stack(data_dir: Path, marker: Path) -> subprocess.CompletedProcess[str]
                           cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=180)
 
 
-def test_stack_runs_twice_and_leaves_nothing_running(tmp_path: Path) -> None:
+def test_stack_runs_twice_and_leaves_nothing_running(project_tmp: Path) -> None:
     """Two runs in a row: each reaches Postgres, moto and the sandbox; afterwards no process of it is left."""
-    data_dir = tmp_path / "data"
-    marker = tmp_path / "endpoints.txt"
+    data_dir = project_tmp / "data"
+    marker = project_tmp / "endpoints.txt"
     for _ in range(2):
         result = _run_stack(data_dir, marker)
         assert result.returncode == 0, result.stderr[-3000:]
