@@ -31,8 +31,8 @@ import sqlalchemy as sa
 from assets.conversion import repository as repo
 from assets.conversion.files import FileStore
 from assets.conversion.settings import ConversionSettings
-from devstack.postgres import create_database, drop_database, with_database
-from redrive.db import engine_for, resolve_database_url, upgrade_head
+from bench._support import scratch_database
+from redrive.db import engine_for
 from redrive.settings import Settings
 
 BENCH_DB = "redrive_bench_conversion"
@@ -187,17 +187,8 @@ def run(url: str) -> list[tuple[int, float, float]]:
 
 
 def main() -> int:
-    settings = Settings()
-    admin = with_database(resolve_database_url(settings), "postgres")
-    drop_database(admin, BENCH_DB)
-    create_database(admin, BENCH_DB)
-    url = with_database(admin, BENCH_DB)
-    upgrade_head(url)
-    try:
+    with scratch_database(BENCH_DB) as url:
         figures = run(url)
-    finally:
-        engine_for(url).dispose()
-        drop_database(admin, BENCH_DB)
     print(f"conversion: claim-and-complete throughput, {JOBS} jobs, instant gateway, median of {ROUNDS} rounds "
           f"(baseline: pgbench running the same claim + complete SQL on the same database)")
     print(f"  {'workers':>7}  {'worker jobs/s':>13}  {'pgbench jobs/s':>14}  {'ratio':>6}")

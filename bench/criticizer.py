@@ -28,12 +28,12 @@ import sqlalchemy as sa
 
 from assets.criticizer import api, pipeline, policy
 from assets.criticizer.definitions import pipeline_defs
-from devstack.postgres import create_database, drop_database, with_database
+from bench._support import scratch_database
 from devstack.sandbox import SandboxClient
 from orchestration.definitions import build_definitions
 from redrive import deadletters
 from redrive.clock import SystemClock
-from redrive.db import engine_for, resolve_database_url, upgrade_head
+from redrive.db import engine_for, resolve_database_url
 from redrive.settings import Settings
 from sensors.core import replay_run_request
 
@@ -81,16 +81,8 @@ def main(n: int | None = None) -> int:
     """A database of its own on the bench server, so other work on the shared one cannot touch its rows."""
     n = n or int(os.environ.get("BENCH_CRITICIZER_REQUESTS", "20"))
     session = uuid.uuid4().hex[:6]
-    admin = with_database(resolve_database_url(Settings()), "postgres")
-    name = f"bench_criticizer_{session}"
-    create_database(admin, name)
-    url = with_database(admin, name)
-    try:
-        upgrade_head(url)
+    with scratch_database(f"bench_criticizer_{session}") as url:
         return _measure(n, session, Settings(database_url=url, redrive_time_scale=0.001))
-    finally:
-        engine_for(url).dispose()
-        drop_database(admin, name)
 
 
 def _measure(n: int, session: str, settings: Settings) -> int:

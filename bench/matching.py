@@ -34,9 +34,9 @@ import sqlalchemy as sa
 
 from assets.matching import ingestion, policy, repository
 from assets.matching.worker import Worker, WorkerConfig
-from devstack.postgres import create_database, drop_database, with_database
+from bench._support import scratch_database
 from devstack.sandbox import SandboxClient
-from redrive.db import engine_for, resolve_database_url, upgrade_head
+from redrive.db import engine_for
 from redrive.reliability import Reliability
 from redrive.settings import Settings
 from resources.llm import LlmResource
@@ -248,17 +248,9 @@ def retrieval(url: str) -> None:
 
 def main() -> int:
     settings = Settings()
-    admin = with_database(resolve_database_url(settings), "postgres")
-    drop_database(admin, BENCH_DB)
-    create_database(admin, BENCH_DB)
-    url = with_database(admin, BENCH_DB)
-    upgrade_head(url)
-    try:
+    with scratch_database(BENCH_DB) as url:
         throughput(url, settings)
         retrieval(url)
-    finally:
-        engine_for(url).dispose()
-        drop_database(admin, BENCH_DB)
     return 0
 
 

@@ -16,12 +16,10 @@ same region size, measured in the same session; its offers must equal the vector
 from __future__ import annotations
 
 import argparse
-import contextlib
 import resource
 import sys
 import time
 import tracemalloc
-from collections.abc import Iterator
 from datetime import date
 
 import sqlalchemy as sa
@@ -36,34 +34,11 @@ REGION_SIZE = 2000
 ZONES = ["America/New_York", "Europe/Berlin", "Asia/Kolkata", "Asia/Tokyo", "Europe/London", "America/Chicago"]
 
 
-@contextlib.contextmanager
-def bench_database() -> Iterator[str]:
-    """A fresh database with the matchmaking branch migrated: DATABASE_URL's server, or an embedded one."""
-    from alembic import command
+def bench_database():
+    """A fresh database with the matchmaking branch migrated (see bench._support)."""
+    from bench._support import scratch_database
 
-    from devstack.postgres import EmbeddedPostgres, create_database, drop_database, with_database
-    from redrive.db import alembic_config, engine_for
-    from redrive.settings import Settings
-
-    settings = Settings()
-    pg = None
-    if settings.database_url:
-        admin = with_database(settings.database_url, "postgres")
-    else:
-        pg = EmbeddedPostgres(settings.redrive_data_dir / "pg-bench")
-        admin = pg.start()
-    name = "redrive_bench_matchmaking"
-    drop_database(admin, name)
-    create_database(admin, name)
-    url = with_database(admin, name)
-    try:
-        command.upgrade(alembic_config(url), "matchmaking@head")
-        yield url
-    finally:
-        engine_for(url).dispose()
-        drop_database(admin, name)
-        if pg is not None:
-            pg.stop()
+    return scratch_database("redrive_bench_matchmaking", heads="matchmaking@head")
 
 
 def populate(engine: sa.Engine, n: int, timezone: str) -> None:
@@ -198,4 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from devstack.stack import local_stack
+
+    with local_stack("bench", migrate=False):
+        sys.exit(main())

@@ -65,17 +65,6 @@ def fast_defs(fast_settings, inbox):
 
 
 @pytest.fixture
-def instance():
-    """A throwaway Dagster instance without compute-log capture (it forks per step; runs here are many)."""
-    import dagster as dg
-
-    overrides = {"compute_logs": {"module": "dagster._core.storage.noop_compute_log_manager",
-                                  "class": "NoOpComputeLogManager"}}
-    with dg.instance_for_test(overrides=overrides) as inst:
-        yield inst
-
-
-@pytest.fixture
 def driver(fast_defs, instance) -> Driver:
     return Driver(fast_defs, instance)
 

@@ -1,0 +1,27 @@
+"""What every benchmark needs: a database of its own, migrated, dropped afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from alembic import command
+
+from devstack.postgres import create_database, drop_database, with_database
+from redrive.db import alembic_config, engine_for, resolve_database_url
+from redrive.settings import Settings
+
+
+@contextlib.contextmanager
+def scratch_database(name: str, *, heads: str = "heads") -> Iterator[str]:
+    """A fresh database on DATABASE_URL's server (or the embedded one), so no other work touches its rows."""
+    admin = with_database(resolve_database_url(Settings()), "postgres")
+    drop_database(admin, name)
+    create_database(admin, name)
+    url = with_database(admin, name)
+    try:
+        command.upgrade(alembic_config(url), heads)
+        yield url
+    finally:
+        engine_for(url).dispose()
+        drop_database(admin, name)
