@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-ci dev install validate bench clean browser
+.PHONY: demo test test-ci dev install validate bench clean browser lint
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,12 @@ demo: install
 	@$(PY) -m orchestration.demo
 
 ## make test: the whole suite; the local stack is started by the tests' fixtures.
-test: install browser
+test: install browser lint
 	@$(PY) -m pytest -q $(PYTEST_ARGS)
+
+## ruff: undefined names, unused imports, naive datetimes
+lint: install
+	@$(VENV)/bin/ruff check --quiet .
 
 ## Debian's chromium for the browser test (003's Retry button); a no-op when it is installed.
 browser:

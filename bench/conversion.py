@@ -33,7 +33,6 @@ from assets.conversion.files import FileStore
 from assets.conversion.settings import ConversionSettings
 from bench._support import scratch_database
 from redrive.db import engine_for
-from redrive.settings import Settings
 
 BENCH_DB = "redrive_bench_conversion"
 JOBS = int(os.environ.get("BENCH_CONVERSION_JOBS", "2000"))

@@ -133,7 +133,7 @@ def main() -> int:
             for note in r.notes:
                 print(f"      · {note}")
         print(f"  alerts sent: {slack} to Slack (sandbox webhook), {email} emails (sandbox mail provider)")
-        print(f"  runs are in PostgreSQL run storage; `make dev` shows them at http://localhost:3000")
+        print("  runs are in PostgreSQL run storage; `make dev` shows them at http://localhost:3000")
         print(f"  dead letters: `redrive dlq list`; took {time.monotonic() - started:.1f}s")
         ok = health.success and not failed
     print("demo: stopped everything it started." + ("" if ok else f" FAILED: {', '.join(failed) or 'healthcheck'}"))
