@@ -39,20 +39,32 @@ DEMOS: tuple[str, ...] = (
 )
 
 
-def evaluate_sensor(defs: dg.Definitions, instance: dg.DagsterInstance, sensor_name: str) -> list[dg.RunRequest]:
-    """Evaluate one tick as the daemon does: with the repository and the instance's dynamic partitions,
-    adding the partitions the tick asks for. Returns its run requests (the caller launches them)."""
+@dataclass(frozen=True)
+class SensorTick:
+    run_requests: list[dg.RunRequest]
+    cursor: str | None
+
+
+def evaluate_sensor_tick(defs: dg.Definitions, instance: dg.DagsterInstance, sensor_name: str,
+                         cursor: str | None = None) -> SensorTick:
+    """Evaluate one tick as the daemon does: with the repository, the instance's dynamic partitions and the
+    sensor's cursor, adding the partitions the tick asks for. The caller launches the runs and keeps the cursor."""
     sensor = defs.resolve_sensor_def(sensor_name)
     with dg.partition_loading_context(dynamic_partitions_store=instance), \
             dg.build_sensor_context(instance=instance, resources=defs.resources, sensor_name=sensor_name,
-                                    repository_def=defs.get_repository_def(),
+                                    repository_def=defs.get_repository_def(), cursor=cursor,
                                     instance_ref=instance.get_ref()) as context:
         data = sensor.evaluate_tick(context)
     for partitions_request in data.dynamic_partitions_requests or []:
         if isinstance(partitions_request, dg.AddDynamicPartitionsRequest):
             instance.add_dynamic_partitions(partitions_request.partitions_def_name,
                                             list(partitions_request.partition_keys))
-    return list(data.run_requests or [])
+    return SensorTick(list(data.run_requests or []), data.cursor if data.cursor is not None else cursor)
+
+
+def evaluate_sensor(defs: dg.Definitions, instance: dg.DagsterInstance, sensor_name: str) -> list[dg.RunRequest]:
+    """The run requests of one tick of a cursor-less sensor."""
+    return evaluate_sensor_tick(defs, instance, sensor_name).run_requests
 
 
 @dataclass
@@ -72,6 +84,7 @@ class DemoContext:
     sandbox: SandboxClient
     engine: sa.Engine
     session: str  # unique per demo run, so a second `make demo` adds fresh entities
+    cursors: dict[str, str | None] = field(default_factory=dict)  # per sensor, as the daemon keeps them
 
     def run(self, job_name: str, *, run_config: Mapping[str, Any] | None = None, tags: Mapping[str, str] | None = None,
             partition_key: str | None = None) -> dg.ExecuteInProcessResult:
@@ -84,7 +97,9 @@ class DemoContext:
     def tick(self, sensor_name: str) -> list[dg.ExecuteInProcessResult]:
         """One daemon tick of a sensor: evaluate it, launch what it requests (honouring run keys)."""
         results = []
-        for request in evaluate_sensor(self.defs, self.instance, sensor_name):
+        tick = evaluate_sensor_tick(self.defs, self.instance, sensor_name, self.cursors.get(sensor_name))
+        self.cursors[sensor_name] = tick.cursor
+        for request in tick.run_requests:
             if request.run_key and self.instance.get_runs(
                     filters=dg.RunsFilter(tags={"dagster/run_key": request.run_key})):
                 continue  # the daemon skips a run key it has launched before

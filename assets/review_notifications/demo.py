@@ -11,7 +11,6 @@ import dagster as dg
 import sqlalchemy as sa
 
 from assets.review_notifications import api, policy, repository
-from assets.review_notifications.pipeline import JOB_NAME
 from redrive import deadletters
 from redrive.schema import alerts
 
@@ -21,28 +20,8 @@ UNDELIVERABLE = "dd@invalid.example"  # the sandbox's provider answers 422 INVAL
 
 
 def _tick(ctx: Any, sensor_name: str) -> dict[str | None, dg.ExecuteInProcessResult]:
-    """`ctx.tick` for sensors whose requests name a partition, as the daemon runs them: partitions the
-    sensor asks for are added, then each new run key is run. Results by partition key.
-
-    Marked for the core: DemoContext.tick passes no repository and ignores partition requests, so
-    it cannot run a partitioned request (this pipeline's, or the replay sensor's for this pipeline).
-    """
-    sensor = ctx.defs.resolve_sensor_def(sensor_name)
-    with dg.partition_loading_context(dynamic_partitions_store=ctx.instance), \
-            dg.build_sensor_context(instance=ctx.instance, resources=ctx.defs.resources, sensor_name=sensor_name,
-                                    repository_def=ctx.defs.get_repository_def(),
-                                    instance_ref=ctx.instance.get_ref()) as context:
-        result = sensor.evaluate_tick(context)
-    for add in result.dynamic_partitions_requests or []:
-        ctx.instance.add_dynamic_partitions(add.partitions_def_name, list(add.partition_keys or []))
-    results = {}
-    for request in result.run_requests or []:
-        if request.run_key and ctx.instance.get_runs(filters=dg.RunsFilter(tags={"dagster/run_key": request.run_key})):
-            continue
-        tags = {**(request.tags or {}), **({"dagster/run_key": request.run_key} if request.run_key else {})}
-        results[request.partition_key] = ctx.run(request.job_name or JOB_NAME, run_config=request.run_config,
-                                                 tags=tags, partition_key=request.partition_key)
-    return results
+    """One daemon tick (the core's `ctx.tick`), its runs by partition key."""
+    return {run.dagster_run.tags.get("dagster/partition"): run for run in ctx.tick(sensor_name)}
 
 
 def _mine(ctx: Any, changelist: str, version: int, recipients: list[str]) -> list[int]:

@@ -75,14 +75,11 @@ class Driver:
     cursors: dict[str, str | None] = field(default_factory=dict)
 
     def tick(self, sensor_name: str) -> list[dg.RunRequest]:
-        sensor = self.defs.resolve_sensor_def(sensor_name)
-        with dg.build_sensor_context(instance_ref=self.instance.get_ref(), definitions=self.defs, resources=self.defs.resources,
-                                     sensor_name=sensor_name, cursor=self.cursors.get(sensor_name)) as context:
-            data = sensor.evaluate_tick(context)
-        for request in data.dynamic_partitions_requests or []:
-            self.instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
-        self.cursors[sensor_name] = data.cursor
-        return list(data.run_requests or [])
+        from orchestration.demo import evaluate_sensor_tick
+
+        tick = evaluate_sensor_tick(self.defs, self.instance, sensor_name, self.cursors.get(sensor_name))
+        self.cursors[sensor_name] = tick.cursor
+        return tick.run_requests
 
     def launch(self, request: dg.RunRequest, job_name: str | None = None) -> dg.ExecuteInProcessResult | None:
         if request.run_key and self.instance.get_runs(filters=dg.RunsFilter(tags={"dagster/run_key": request.run_key})):

@@ -63,16 +63,7 @@ def rows(engine: sa.Engine, job_id: int) -> list[repository.Delivery]:
 
 
 def tick(defs: Any, instance: Any, sensor_name: str) -> list[Any]:
-    """One sensor tick as the daemon evaluates it: with the repository, which partitioned requests need.
+    """One sensor tick as the daemon evaluates it (the shared helper: repository and dynamic partitions)."""
+    from tests.dagster_helpers import tick as shared_tick
 
-    (`tests.dagster_helpers.tick` builds its context without `repository_def` and outside a
-    partition loading context, as the daemon is not; Dagster then refuses any request naming a partition.)
-    """
-    import dagster as dg
-
-    sensor = defs.resolve_sensor_def(sensor_name)
-    with dg.partition_loading_context(dynamic_partitions_store=instance), \
-            dg.build_sensor_context(instance=instance, resources=defs.resources, sensor_name=sensor_name,
-                                    repository_def=defs.get_repository_def(),
-                                    instance_ref=instance.get_ref()) as context:
-        return list(sensor.evaluate_tick(context).run_requests or [])
+    return shared_tick(defs, instance, sensor_name)
