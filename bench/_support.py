@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from alembic import command
 
 from devstack.postgres import create_database, drop_database, with_database
-from redrive.db import alembic_config, engine_for, resolve_database_url
+from redrive.db import alembic_config, engine_for
+from resources.database import resolve_database_url
 from redrive.settings import Settings
 
 

@@ -27,13 +27,14 @@ import dagster as dg
 import sqlalchemy as sa
 
 from assets.criticizer import api, pipeline, policy
-from assets.criticizer.definitions import pipeline_defs
+from orchestration.pipelines.criticizer import pipeline_defs
 from bench._support import scratch_database
 from devstack.sandbox import SandboxClient
 from orchestration.definitions import build_definitions
 from redrive import deadletters
 from redrive.clock import SystemClock
-from redrive.db import engine_for, resolve_database_url
+from redrive.db import engine_for
+from resources.database import resolve_database_url
 from redrive.settings import Settings
 from sensors.core import replay_run_request
 

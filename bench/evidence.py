@@ -27,8 +27,9 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 
 from assets.evidence import repository as repo
-from redrive.db import engine_for, normalize_url, resolve_database_url
-from redrive.schema import all_metadata
+from redrive.db import engine_for, normalize_url
+from resources.database import resolve_database_url
+from orchestration.registry import all_metadata
 from redrive.settings import Settings
 
 TICKS = int(os.environ.get("BENCH_EVIDENCE_TICKS", "15"))

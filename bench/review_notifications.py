@@ -27,7 +27,8 @@ import sqlalchemy as sa
 
 from assets.review_notifications import api, policy, repository
 from assets.review_notifications.delivery import Deliverer
-from redrive.db import engine_for, resolve_database_url
+from redrive.db import engine_for
+from resources.database import resolve_database_url
 from redrive.reliability import Reliability
 from redrive.settings import Settings
 from resources.review_notifications import MailProvider, OutgoingMail

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from alembic import context
 
-from redrive.db import VERSION_TABLE, engine_for, resolve_database_url
-from redrive.schema import all_metadata
+from orchestration.registry import all_metadata
+from redrive.db import VERSION_TABLE, engine_for
 from redrive.settings import Settings
+from resources.database import resolve_database_url
 
 config = context.config
 url = config.attributes.get("database_url") or resolve_database_url(Settings())

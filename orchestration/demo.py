@@ -24,20 +24,9 @@ import sqlalchemy as sa
 from devstack.sandbox import SandboxClient
 from devstack.stack import local_stack
 from orchestration.definitions import build_definitions
+from orchestration.registry import PIPELINES
 from redrive.db import engine_for
 from redrive.settings import Settings
-
-# Modules with `run_demo(ctx) -> DemoReport`, in seed order.
-DEMOS: tuple[str, ...] = (
-    "assets.rehearsal.demo",
-    "assets.conversion.demo",
-    "assets.criticizer.demo",
-    "assets.matching.demo",
-    "assets.matchmaking.demo",
-    "assets.review_notifications.demo",
-    "assets.evidence.demo",
-)
-
 
 @dataclass(frozen=True)
 class SensorTick:
@@ -130,8 +119,8 @@ def main() -> int:
         health = ctx.run("stack_healthcheck_job")
         print(f"  healthcheck: {'ok' if health.success else 'FAILED'} (PostgreSQL, S3, SQS, LLM endpoint)")
         reports, failed = [], []
-        for module in DEMOS:
-            name = module.split(".")[-2]
+        for pipeline in PIPELINES:
+            name, module = pipeline.name, pipeline.demo
             try:
                 reports.append(importlib.import_module(module).run_demo(ctx))
             except Exception:  # noqa: BLE001 - report every pipeline, then fail the demo

@@ -1,15 +1,20 @@
-"""Each pipeline hands the code location one `PipelineDefs`; `definitions.py` joins them.
+"""The one list of pipelines: what each adds to the code location, its tables, its demo and its commands.
 
-A pipeline package (`assets/<name>/`) exports `pipeline_defs(settings) -> PipelineDefs`
-from its `definitions.py`; adding a pipeline is one line in `PIPELINES` below.
+A pipeline is a package under `assets/<name>/` plus its Dagster wiring in
+`orchestration/pipelines/<name>.py`, which exports `pipeline_defs(settings) -> PipelineDefs`.
+Adding a pipeline is one `Pipeline(...)` entry in `PIPELINES` below; the code location,
+Alembic's metadata, `make demo` and the `redrive` command all read this list, so nothing
+else keeps a copy of it (the core never imports a pipeline).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import sqlalchemy as sa
 
 from redrive.settings import Settings
 
@@ -23,25 +28,62 @@ class PipelineDefs:
     schedules: Sequence[Any] = ()
     sensors: Sequence[Any] = ()
     resources: Mapping[str, Any] = field(default_factory=dict)
-    # pipeline name → sensors.core.ReplayTarget, for dead-letter replays and durable retries
+    # pipeline name → sensors.core.ReplayTarget, for dead-letter replays of run-per-partition pipelines
     replay_targets: Mapping[str, Any] = field(default_factory=dict)
+    # pipeline names whose replays and retries are rows of the core's work queue (drain runs)
+    drained: Sequence[str] = ()
 
 
-# Modules with a `pipeline_defs(settings)` function, in seed order.
-PIPELINES: tuple[str, ...] = (
-    "assets.rehearsal.definitions",
-    "assets.matching.definitions",
-    "assets.matchmaking.definitions",
-    "assets.criticizer.definitions",
-    "assets.review_notifications.definitions",
-    "assets.conversion.definitions",
-    "assets.evidence.definitions",
+@dataclass(frozen=True)
+class Pipeline:
+    """Where each piece of a pipeline lives; `tests/foundation/test_registry.py` checks every one exists."""
+
+    name: str
+    wiring: str  # module with pipeline_defs(settings) -> PipelineDefs
+    schema: str  # module that adds the pipeline's tables to redrive.schema.metadata
+    demo: str  # module with run_demo(ctx) -> DemoReport
+    commands: Mapping[str, str] = field(default_factory=dict)  # `redrive <name>` → "module:typer_app"
+
+
+def _pipeline(name: str, **commands: str) -> Pipeline:
+    return Pipeline(name=name, wiring=f"orchestration.pipelines.{name}", schema=f"assets.{name}.repository",
+                    demo=f"orchestration.demos.{name}", commands=commands)
+
+
+# In seed order; the rehearsal pipeline is the core's own two-stage example.
+PIPELINES: tuple[Pipeline, ...] = (
+    _pipeline("rehearsal"),
+    _pipeline("conversion", worker="assets.conversion.worker:worker_app"),  # `redrive worker conversion`
+    _pipeline("criticizer", criticizer="assets.criticizer.cli:app"),
+    _pipeline("matching"),
+    _pipeline("matchmaking"),
+    _pipeline("review_notifications", review="assets.review_notifications.cli:app"),
+    _pipeline("evidence"),
 )
 
+# Core modules with tables of their own besides redrive.schema.
+CORE_SCHEMAS: tuple[str, ...] = ("redrive.schema", "redrive.breaker")
 
-def load_pipelines(settings: Settings) -> list[PipelineDefs]:
+
+def selected(names: Iterable[str] | None = None) -> tuple[Pipeline, ...]:
+    if names is None:
+        return PIPELINES
+    wanted = set(names)
+    return tuple(p for p in PIPELINES if p.name in wanted)
+
+
+def load_pipelines(settings: Settings, names: Iterable[str] | None = None) -> list[PipelineDefs]:
     out = []
-    for module in PIPELINES:
-        factory: Callable[[Settings], PipelineDefs] = importlib.import_module(module).pipeline_defs
+    for pipeline in selected(names):
+        factory: Callable[[Settings], PipelineDefs] = importlib.import_module(pipeline.wiring).pipeline_defs
         out.append(factory(settings))
     return out
+
+
+def all_metadata() -> sa.MetaData:
+    """One MetaData for every table of the core and of every pipeline (Alembic compares against it)."""
+    from redrive.schema import metadata
+
+    for module in (*CORE_SCHEMAS, *(p.schema for p in PIPELINES)):
+        importlib.import_module(module)
+    return metadata

@@ -1,29 +1,20 @@
-"""Connections to the system of record, and Alembic as the only way its schema changes."""
+"""Connections to the system of record, and Alembic as the only way its schema changes.
+
+The core takes a database URL; where it comes from (DATABASE_URL, or the embedded server the
+local stack starts) is decided at the edge, in `resources.database`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import lru_cache
 
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 
-from redrive.settings import PROJECT_ROOT, Settings
+from redrive.settings import PROJECT_ROOT
 
 VERSION_TABLE = "redrive_alembic_version"  # Dagster keeps its own alembic_version
-
-
-def resolve_database_url(settings: Settings) -> str:
-    """DATABASE_URL when set; otherwise the embedded PostgreSQL in the project's data folder."""
-    if settings.database_url:
-        return normalize_url(settings.database_url)
-    from devstack.postgres import EmbeddedPostgres, create_database, with_database
-
-    admin = EmbeddedPostgres(settings.redrive_data_dir / "pg").start()
-    create_database(admin, "redrive")
-    return with_database(admin, "redrive")
 
 
 def normalize_url(url: str) -> str:
@@ -62,23 +53,3 @@ def upgrade_head(url: str) -> None:
 
 def downgrade_base(url: str) -> None:
     command.downgrade(alembic_config(url), "base")
-
-
-@contextmanager
-def database_session(settings: Settings) -> Iterator[str]:
-    """The database URL for one command; an embedded server started for it is stopped after."""
-    if settings.database_url:
-        yield normalize_url(settings.database_url)
-        return
-    from devstack.postgres import EmbeddedPostgres, create_database, with_database
-
-    pg = EmbeddedPostgres(settings.redrive_data_dir / "pg")
-    admin = pg.start()
-    try:
-        create_database(admin, "redrive")
-        url = with_database(admin, "redrive")
-        upgrade_head(url)
-        yield url
-    finally:
-        engine_for.cache_clear()
-        pg.stop()

@@ -18,7 +18,8 @@ from sqlalchemy.dialects.postgresql import JSONB, insert
 
 from redrive.failures import Failure
 from redrive.sanitize import sanitize_context, sanitize_text
-from redrive.schema import dead_letters
+from redrive import work
+from redrive.schema import dead_letters, work_items
 
 OPEN, REPLAYING, ESCALATED, RESOLVED = "open", "replaying", "escalated", "resolved"
 FROM_FAILED_STAGE, FROM_START = "failed_stage", "start"
@@ -261,13 +262,19 @@ def request_replay(
         )
         .returning(*dead_letters.c)
     ).one()
+    # A drained pipeline's entity replays by its work row falling due (the drain run picks it up,
+    # many letters per run); other pipelines' replays are started by the replay sensor.
+    work.replay(conn, row.pipeline, row.entity_ref, dead_letter_id=row.id, from_start=from_start, now=at)
     return DeadLetter.from_row(updated)
 
 
 def replays_pending(conn: sa.Connection, limit: int = 50) -> list[DeadLetter]:
+    """Replays the replay sensor starts as runs: those of entities that have no work row."""
+    drained = sa.exists().where(work_items.c.pipeline == dead_letters.c.pipeline,
+                                work_items.c.entity_ref == dead_letters.c.entity_ref)
     rows = conn.execute(
         sa.select(dead_letters)
-        .where(dead_letters.c.status == REPLAYING)
+        .where(dead_letters.c.status == REPLAYING, ~drained)
         .order_by(dead_letters.c.updated_at)
         .limit(limit)
     )

@@ -6,8 +6,6 @@ register on the same MetaData, so `alembic check` sees one schema.
 
 from __future__ import annotations
 
-import importlib
-
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 
@@ -145,21 +143,32 @@ healthchecks = sa.Table(
     sa.Column("results", JSONB, nullable=False),
 )
 
-# Modules that add a pipeline's tables to `metadata`; migrations/env.py imports them all.
-# Each pipeline's migrations are an Alembic branch of their own off the core (`upgrade heads`).
-PIPELINE_SCHEMAS: tuple[str, ...] = (
-    "assets.rehearsal.repository",
-    "assets.matching.repository",
-    "assets.matchmaking.repository",
-    "assets.criticizer.repository",
-    "assets.review_notifications.repository",
-    "redrive.breaker",
-    "assets.conversion.repository",
-    "assets.evidence.repository",
+# The core's work queue: one row per entity of a drained pipeline, carrying its scheduling state.
+# A retry is the row becoming due again; a lease is the row's due time pushed past the lease's end
+# (River's shape): a claim takes rows whose due time has passed, so an expired lease is claimable
+# with no rescuer, and `lease_epoch` fences every write of the holder.
+WORK_STATUSES = ("due", "leased", "done", "dead")
+
+work_items = sa.Table(
+    "work_items",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("pipeline", sa.Text, nullable=False),
+    sa.Column("entity_ref", sa.Text, nullable=False),
+    sa.Column("group_key", sa.Text),
+    sa.Column("status", sa.Text, nullable=False, server_default="due"),
+    sa.Column("due_at", TZ, nullable=False),
+    sa.Column("stage", sa.Text),
+    sa.Column("attempts", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("payload", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("lease_owner", sa.Text),
+    sa.Column("lease_epoch", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("last_error", sa.Text),
+    sa.Column("created_at", TZ, nullable=False, server_default=NOW),
+    sa.Column("updated_at", TZ, nullable=False, server_default=NOW),
+    sa.UniqueConstraint("pipeline", "entity_ref"),
+    sa.CheckConstraint("status IN ('due', 'leased', 'done', 'dead')", name="status"),
+    sa.Index("ix_work_items_claim", "pipeline", "due_at", postgresql_where=sa.text("status IN ('due', 'leased')")),
+    sa.Index("ix_work_items_group_claim", "pipeline", "group_key", "due_at",
+             postgresql_where=sa.text("status IN ('due', 'leased') AND group_key IS NOT NULL")),
 )
-
-
-def all_metadata() -> sa.MetaData:
-    for module in PIPELINE_SCHEMAS:
-        importlib.import_module(module)
-    return metadata

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import dagster as dg
 from dagster._core.storage.tags import WILL_RETRY_TAG
 
-from redrive import deadletters, timers
+from redrive import deadletters, timers, work
 from redrive.alerts import Alert
 from redrive.deadletters import DeadLetter
 from redrive.run_keys import run_key
@@ -138,5 +138,62 @@ def dead_letter_replay_sensor(targets: Mapping[str, ReplayTarget], *, limit: int
         requests = [replay_run_request(letter, targets[letter.pipeline])
                     for letter in pending if letter.pipeline in targets]
         return requests or dg.SkipReason("no replay requested")
+
+    return _sensor
+
+
+ACTIVE_RUN_STATUSES = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+                       dg.DagsterRunStatus.STARTED]
+
+
+def _active_runs(instance: dg.DagsterInstance, job_name: str, partition: str | None = None) -> int:
+    tags = {"dagster/partition": partition} if partition is not None else {}
+    return instance.get_runs_count(dg.RunsFilter(job_name=job_name, statuses=ACTIVE_RUN_STATUSES, tags=tags))
+
+
+def due_work_sensor(pipeline: str, job: dg.JobDefinition, *, by_partition: bool = False, max_runs: int = 1,
+                    minimum_interval_seconds: int = 15, limit: int = 50) -> dg.SensorDefinition:
+    """A drain run when `pipeline`'s work queue has due entities: one run per round, not per entity.
+
+    The cursor counts rounds and the run key names the round (`<pipeline>:drain:round-N`), so a
+    repeated tick starts nothing twice. While `max_runs` drain runs are queued or running no new
+    one is requested: they claim what falls due. `by_partition`: one run per group (an evidence
+    file job) with due rows, on that group's partition, at most one active run per partition.
+    """
+
+    @dg.sensor(name=f"{pipeline}_due_work", job=job, minimum_interval_seconds=minimum_interval_seconds,
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description=f"Starts a drain run of {pipeline} when entities in its work queue are due "
+                           "(new work, retries falling due, dead-letter replays); one run per round, never one "
+                           "per entity.")
+    def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
+        runtime = reliability.runtime()
+        now, round_no = runtime.now(), int(context.cursor or 0)
+        tags = {"redrive/pipeline": pipeline, "redrive/drain": "true"}
+        if by_partition:
+            with runtime.engine.connect() as conn:
+                groups = work.due_groups(conn, pipeline, now, limit=limit)
+            requests = []
+            for group, due in groups:
+                if _active_runs(context.instance, job.name, group):
+                    continue
+                round_no += 1
+                requests.append(dg.RunRequest(run_key=f"{pipeline}:drain:{group}:round-{round_no}", job_name=job.name,
+                                              partition_key=group, tags={**tags, "redrive/due": str(due)}))
+            if not requests:
+                return dg.SkipReason("no due work outside the partitions already being drained")
+            return dg.SensorResult(run_requests=requests, cursor=str(round_no))
+        with runtime.engine.connect() as conn:
+            backlog = work.backlog(conn, pipeline, now)
+        if backlog.due == 0:
+            return dg.SkipReason("no due work")
+        if _active_runs(context.instance, job.name) >= max_runs:
+            return dg.SkipReason(f"{backlog.due} due; a drain run is already working")
+        round_no += 1
+        return dg.SensorResult(
+            run_requests=[dg.RunRequest(run_key=f"{pipeline}:drain:round-{round_no}", job_name=job.name,
+                                        tags={**tags, "redrive/due": str(backlog.due)})],
+            cursor=str(round_no),
+        )
 
     return _sensor

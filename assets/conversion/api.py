@@ -239,7 +239,8 @@ cli = typer.Typer(help="the conversion API: serve it, make API tokens", no_args_
 
 
 def _engine() -> sa.Engine:
-    from redrive.db import engine_for, resolve_database_url
+    from redrive.db import engine_for
+    from resources.database import resolve_database_url
     from redrive.settings import Settings
 
     return engine_for(resolve_database_url(Settings()))

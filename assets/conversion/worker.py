@@ -566,7 +566,7 @@ SOURCE_MISSING = Failure("EXPIRED", False, None, "the uploaded PDF is no longer 
 
 def build_worker(settings: ConversionSettings | None = None, *, worker_id: str | None = None) -> Worker:
     """A worker for a plain process, from the environment alone (the same factories as the code location)."""
-    from redrive.db import resolve_database_url
+    from resources.database import resolve_database_url
     from redrive.settings import Settings
     from resources.conversion import HttpGateway
     from resources.factory import build_resources

@@ -22,7 +22,8 @@ from typing import Annotated
 import typer
 
 from assets.criticizer import api, repository
-from redrive.db import database_session, engine_for
+from redrive.db import engine_for
+from resources.database import database_session
 from redrive.settings import Settings
 
 app = typer.Typer(help="criticizer requests: submit, status, list", no_args_is_help=True, add_completion=False,

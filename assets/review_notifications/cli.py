@@ -23,7 +23,8 @@ import sqlalchemy as sa
 import typer
 
 from assets.review_notifications import api, policy, repository
-from redrive.db import database_session, engine_for
+from redrive.db import engine_for
+from resources.database import database_session
 from redrive.settings import Settings
 
 app = typer.Typer(help="review notification jobs: create, show, waive", no_args_is_help=True,

@@ -15,7 +15,7 @@ from assets.conversion.policy import dispatch
 from assets.conversion.settings import ConversionSettings
 from devstack.stack import DAGSTER_YAML
 from redrive.breaker import CircuitBreaker
-from redrive.cli import app as redrive_cli
+from orchestration.cli import app as redrive_cli
 from redrive.schema import dead_letters
 from tests.conversion.conftest import job
 from tests.dagster_helpers import launch, tick

@@ -8,7 +8,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from redrive.db import VERSION_TABLE
-from redrive.schema import all_metadata
+from orchestration.registry import all_metadata
 
 MINE = {"conversion_jobs", "conversion_job_events", "conversion_api_tokens", "circuit_breakers",
         "circuit_breaker_calls"}

@@ -8,7 +8,7 @@ import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from assets.rehearsal import pipeline as rehearsal
-from redrive.cli import app
+from orchestration.cli import app
 from redrive.schema import dead_letters
 from tests.dagster_helpers import launch, tick
 

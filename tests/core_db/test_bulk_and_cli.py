@@ -14,7 +14,7 @@ from redrive.bulk import bulk_replay, pacing
 from redrive.clock import FrozenClock
 from redrive.deadletters import FinalFailure
 from redrive.failures import Code, Failure
-from redrive.cli import app
+from orchestration.cli import app
 
 T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 

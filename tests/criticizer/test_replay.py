@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from assets.criticizer import api
-from redrive.cli import app
+from orchestration.cli import app
 from redrive.schema import dead_letters
 from tests.criticizer.conftest import ALERTS_PATH, RESULTS_PATH, slack_posts, webhook_posts
 from tests.dagster_helpers import launch, tick

@@ -10,7 +10,7 @@ from alembic.migration import MigrationContext
 
 from assets.evidence import repository as repo
 from redrive.db import VERSION_TABLE
-from redrive.schema import all_metadata
+from orchestration.registry import all_metadata
 from redrive.vocabularies import EVIDENCE, EVIDENCE_CATEGORY_CODES, EVIDENCE_RETRYABLE_CATEGORIES, evidence_category
 
 MINE = {"file_job", "file_job_row", "file_job_artifact", "evidence_outbox", "evidence_scheduler_ticks",

@@ -8,7 +8,7 @@ from alembic.migration import MigrationContext
 
 from devstack.postgres import create_database, drop_database, with_database
 from redrive.db import VERSION_TABLE, downgrade_base, engine_for, upgrade_head
-from redrive.schema import all_metadata
+from orchestration.registry import all_metadata
 
 
 def _tables(url: str) -> set[str]:

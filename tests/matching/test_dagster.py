@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from assets.matching import repository
 from assets.matching.pipeline import matching_drain_job
 from orchestration.definitions import build_definitions
-from redrive.cli import app
+from orchestration.cli import app
 from redrive.clock import SystemClock
 from redrive.schema import alerts, dead_letters
 from tests.dagster_helpers import launch, tick

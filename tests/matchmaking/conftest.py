@@ -35,7 +35,7 @@ def mm_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
            "MATCHMAKING_START_DATE": "2026-01-01"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(registry, "PIPELINES", ("assets.matchmaking.definitions",))
+    monkeypatch.setattr(registry, "PIPELINES", registry.selected(["matchmaking"]))
     return env
 
 

@@ -20,7 +20,7 @@ def main() -> int:
 
     from orchestration import registry
 
-    registry.PIPELINES = ("assets.matchmaking.definitions",)
+    registry.PIPELINES = registry.selected(["matchmaking"])
     from orchestration.definitions import build_definitions
     from redrive.settings import Settings
 

@@ -7,7 +7,7 @@ import sqlalchemy as sa
 
 def test_demo_runs_twice_in_a_row(mm_defs, instance, scaled_settings, sandbox, engine) -> None:
     """Each demo run scripts its faults, checks its outcome (retries, dead letters, replay) and succeeds again."""
-    from assets.matchmaking.demo import run_demo
+    from orchestration.demos.matchmaking import run_demo
     from orchestration.demo import DemoContext
 
     for session in ("s1", "s2"):

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from assets.matchmaking import batch, policy
 from assets.matchmaking.batch import Knobs, PartitionRun
 from assets.matchmaking.policy import BUILTIN_WEIGHTS, Partition
-from redrive.cli import app
+from orchestration.cli import app
 from redrive.reliability import Reliability
 from redrive.stages import DEAD_LETTERED_TAG
 from tests.dagster_helpers import launch, tick

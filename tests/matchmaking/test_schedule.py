@@ -23,7 +23,7 @@ INSTANCE = dg.DagsterInstance.ephemeral()
 @pytest.fixture(scope="module")
 def schedule_defs() -> dg.Definitions:
     """The pipeline's definitions for three timezones; schedules need no database."""
-    from assets.matchmaking.definitions import pipeline_defs
+    from orchestration.pipelines.matchmaking import pipeline_defs
     from assets.matchmaking.settings import MatchmakingSettings
     from redrive.settings import Settings
     from resources.factory import build_resources

@@ -9,7 +9,7 @@ from alembic.migration import MigrationContext
 
 from assets.matchmaking import repository
 from redrive.db import VERSION_TABLE
-from redrive.schema import all_metadata
+from orchestration.registry import all_metadata
 
 MINE = {"matchmaking_users", "matchmaking_jobs", "matchmaking_offers"}
 

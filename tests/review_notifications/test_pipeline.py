@@ -16,7 +16,7 @@ from assets.review_notifications.cli import app as rn_cli
 from assets.review_notifications.pipeline import JOB_NAME
 from orchestration.definitions import build_definitions
 from redrive import deadletters
-from redrive.cli import app as redrive_cli
+from orchestration.cli import app as redrive_cli
 from redrive.clock import SystemClock
 from redrive.schema import dead_letters, deferred_attempts
 from redrive.settings import PROJECT_ROOT

@@ -28,9 +28,10 @@ import typer
 
 from redrive import deadletters
 from redrive.clock import SystemClock
-from redrive.db import database_session, downgrade_base, engine_for, upgrade_head
+from redrive.db import downgrade_base, engine_for, upgrade_head
 from redrive.deadletters import DeadLetter, ReplayRefused
 from redrive.settings import Settings
+from resources.database import database_session
 
 app = typer.Typer(help="redrive operator commands", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False)
@@ -41,23 +42,16 @@ app.add_typer(dlq, name="dlq")
 app.add_typer(db, name="db")
 app.add_typer(alerts_app, name="alerts")
 
-# Pipelines' own commands, mounted lazily-imported here so `redrive --help` lists them.
-PIPELINE_COMMANDS = {
-    "criticizer": "assets.criticizer.cli:app",
-    "review": "assets.review_notifications.cli:app",
-    "worker": "assets.conversion.worker:worker_app",  # `redrive worker conversion`
-}
-
-
 def _mount_pipeline_commands() -> None:
+    """Each pipeline's own commands (`redrive criticizer submit`, …), from the registry."""
     import importlib
 
-    for name, target in PIPELINE_COMMANDS.items():
-        module, attr = target.split(":")
-        try:
+    from orchestration.registry import PIPELINES
+
+    for pipeline in PIPELINES:
+        for name, target in pipeline.commands.items():
+            module, attr = target.split(":")
             app.add_typer(getattr(importlib.import_module(module), attr), name=name)
-        except ImportError:  # a pipeline not installed in this build
-            continue
 
 
 _mount_pipeline_commands()

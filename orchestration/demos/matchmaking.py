@@ -12,7 +12,7 @@ import dagster as dg
 import sqlalchemy as sa
 
 from assets.matchmaking import synthetic
-from assets.matchmaking.definitions import pipeline_defs
+from orchestration.pipelines.matchmaking import pipeline_defs
 from assets.matchmaking.pipeline import ASSET, JOB, PIPELINE
 from assets.matchmaking.policy import Partition
 from assets.matchmaking.settings import MatchmakingSettings

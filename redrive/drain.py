@@ -1,0 +1,314 @@
+"""Drain: claim due entities in batches, work each under its stages' policies, settle each one.
+
+The one core mechanism for per-entity work at volume. A run (or a worker) pays its start-up
+once and then drains: it leases due rows of the work queue (`redrive.work`, SKIP LOCKED,
+fenced by epoch), works up to `concurrency` entities at a time, and settles every entity:
+- success → the row is done (with the pipeline's own completion in the same transaction)
+  and a replayed dead letter is closed (002 §8.5 post-replay verification);
+- a retryable failure with budget left → the row falls due again after the stage's backoff
+  (the seeds' schedules become due times on rows, not runs or sleeping workers);
+- permanent or out of budget → the row is dead, and its dead letter, its alert and the
+  pipeline's own `failed` state are written in one transaction (a crash leaves all or none).
+Stages are checkpointed, so a retry or a replay resumes at the failed stage. A run lingers
+for work falling due within `linger_seconds` and ends when none is left; the sensor starts
+the next round when more falls due. Nothing here imports Dagster: `redrive.drain_ops` adapts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from redrive import checkpoints, deadletters, work
+from redrive.budgets import RetryDecision, decide
+from redrive.deadletters import FinalFailure
+from redrive.failures import Failure
+from redrive.reliability import Reliability
+from redrive.sanitize import sanitize_exception, sanitize_text
+from redrive.stages import StagePolicy
+from redrive.work import WorkItem
+
+log = logging.getLogger(__name__)
+
+FROM_START = "start"
+
+
+class StageError(Exception):
+    """A stage's work failed; carries the stage name and the original exception to the settlement."""
+
+    def __init__(self, stage: str, cause: BaseException) -> None:
+        super().__init__(stage)
+        self.stage, self.cause = stage, cause
+
+
+class LeaseLost(Exception):
+    """The row was reclaimed by another holder (our lease expired): write nothing."""
+
+
+@dataclass
+class Attempt:
+    """One claimed entity in this run; the handler runs its stages through it.
+
+    The handler fills `tenant`, `payload_ref` and `context` (what a dead letter shows) as it
+    learns them, and registers `on_success` / `on_failure` writes that must share the
+    settlement's transaction (the entity's own `done` or `failed` state).
+    """
+
+    item: WorkItem
+    drain: Drain
+    tenant: str | None = None
+    payload_ref: dict[str, Any] = field(default_factory=dict)
+    context: dict[str, Any] = field(default_factory=dict)
+    attempts: dict[str, int] = field(default_factory=dict)
+    current_stage: str | None = None
+    on_success: list[Callable[[sa.Connection], None]] = field(default_factory=list)
+    on_failure: list[Callable[[sa.Connection, Failure], None]] = field(default_factory=list)
+
+    @property
+    def entity_ref(self) -> str:
+        return self.item.entity_ref
+
+    @property
+    def replay_of(self) -> int | None:
+        return self.item.payload.get("replay_of")
+
+    def stage(self, name: str, work_fn: Callable[[], Mapping[str, Any]], *, checkpoint: bool = True) -> dict[str, Any]:
+        """The stage's checkpoint if it has one; else run it once and checkpoint its output."""
+        drain = self.drain
+        if checkpoint:
+            with drain.engine.connect() as conn:
+                done = checkpoints.load(conn, drain.pipeline, self.entity_ref, name)
+            if done is not None:
+                return done
+        self.current_stage = name
+        try:
+            output = dict(work_fn())
+        except Exception as exc:  # noqa: BLE001 - settled by the drain under the stage's policy
+            raise StageError(name, exc) from None
+        self.attempts[name] = self.attempts.get(name, 0) + 1
+        if checkpoint:
+            with drain.engine.begin() as conn:
+                checkpoints.save(conn, drain.pipeline, self.entity_ref, name, output)
+        return output
+
+    def stage_attempts(self, failed_stage: str | None = None) -> dict[str, int]:
+        """Attempts per stage so far: earlier runs' (the row) plus this run's successes (+1 for a failure)."""
+        out = {**self.item.attempts, **{s: self.item.attempts.get(s, 0) + n for s, n in self.attempts.items()}}
+        if failed_stage is not None:
+            out[failed_stage] = self.item.attempts.get(failed_stage, 0) + 1
+        return out
+
+
+Handler = Callable[[Attempt], None]
+
+
+@dataclass
+class DrainReport:
+    claimed: int = 0
+    done: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+    lease_lost: int = 0
+    batches: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def as_metadata(self) -> dict[str, int]:
+        return {"claimed": self.claimed, "done": self.done, "retried": self.retried,
+                "dead_lettered": self.dead_lettered, "lease_lost": self.lease_lost, "batches": self.batches}
+
+
+@dataclass
+class Drain:
+    """How one pipeline drains: its stage policies and the run's bounds."""
+
+    reliability: Reliability
+    pipeline: str
+    policies: Mapping[str, StagePolicy]
+    owner: str
+    concurrency: int = 8
+    batch_size: int = 50
+    lease_seconds: float = 300.0
+    linger_seconds: float = 5.0  # wait for work falling due this soon, rather than end the run
+    max_seconds: float = 600.0  # a run ends after this; the sensor starts the next round
+    max_items: int | None = None
+    run_id: str | None = None
+    sleep: Callable[[float], None] = time.sleep
+
+    @property
+    def engine(self) -> sa.Engine:
+        return self.reliability.engine
+
+    def policy_for(self, stage: str) -> StagePolicy:
+        return self.policies.get(stage) or next(iter(self.policies.values()))
+
+    def run(self, handle: Handler, *, group_key: str | None = None) -> DrainReport:
+        report, lock = DrainReport(), threading.Lock()
+        started = time.monotonic()
+        inflight: dict[Future[None], WorkItem] = {}
+        stop_heartbeat = threading.Event()
+        heartbeat = threading.Thread(target=self._heartbeat, args=(inflight, lock, stop_heartbeat), daemon=True)
+        heartbeat.start()
+        try:
+            with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix=f"drain-{self.pipeline}") as pool:
+                while True:
+                    out_of_time = time.monotonic() - started > self.max_seconds
+                    full = self.max_items is not None and report.claimed >= self.max_items
+                    free = self.concurrency - len(inflight)
+                    claimed: list[WorkItem] = []
+                    if not out_of_time and not full and (not inflight or free * 2 >= self.concurrency):
+                        limit = min(free, self.batch_size)
+                        if self.max_items is not None:
+                            limit = min(limit, self.max_items - report.claimed)
+                        claimed = self._claim(limit, group_key)
+                        if claimed:
+                            report.batches += 1
+                            report.claimed += len(claimed)
+                        with lock:
+                            for item in claimed:
+                                inflight[pool.submit(self._work_one, handle, item, report, lock)] = item
+                    if inflight:
+                        done, _ = wait(list(inflight), timeout=1.0, return_when=FIRST_COMPLETED)
+                        with lock:
+                            for fut in done:
+                                inflight.pop(fut)
+                                fut.result()  # _work_one settles everything; a raise here is a bug in it
+                        continue
+                    if out_of_time or full:
+                        break
+                    wait_for = self._until_next_due(group_key)
+                    if wait_for is None or wait_for > self.linger_seconds or \
+                            time.monotonic() - started + wait_for > self.max_seconds:
+                        break
+                    self.sleep(max(wait_for, 0.05))
+        finally:
+            stop_heartbeat.set()
+            heartbeat.join(timeout=5)
+            self.reliability.try_dispatch()  # alerts of this run's dead letters; the alert sensor retries
+        return report
+
+    # --- claiming and leases ---------------------------------------------------------------------
+
+    def _claim(self, limit: int, group_key: str | None) -> list[WorkItem]:
+        if limit <= 0:
+            return []
+        with self.engine.begin() as conn:
+            return work.claim(conn, self.pipeline, owner=self.owner, limit=limit, lease_seconds=self.lease_seconds,
+                              now=self.reliability.now(), group_key=group_key)
+
+    def _until_next_due(self, group_key: str | None) -> float | None:
+        now = self.reliability.now()
+        with self.engine.connect() as conn:
+            backlog = work.backlog(conn, self.pipeline, now, group_key=group_key)
+        if backlog.next_due_at is None:
+            return None
+        return (backlog.next_due_at - now).total_seconds()
+
+    def _heartbeat(self, inflight: dict[Future[None], WorkItem], lock: threading.Lock, stop: threading.Event) -> None:
+        """Extend the leases of entities still being worked, every third of a lease."""
+        while not stop.wait(self.lease_seconds / 3):
+            with lock:
+                items = list(inflight.values())
+            if not items:
+                continue
+            try:
+                with self.engine.begin() as conn:
+                    work.extend(conn, items, lease_seconds=self.lease_seconds, now=self.reliability.now())
+            except Exception:  # noqa: BLE001 - a missed extension only risks a reclaim, which fencing makes safe
+                log.warning("drain %s: lease extension failed", self.pipeline)
+
+    # --- one entity --------------------------------------------------------------------------------
+
+    def _work_one(self, handle: Handler, item: WorkItem, report: DrainReport, lock: threading.Lock) -> None:
+        attempt = Attempt(item=item, drain=self)
+        try:
+            if item.payload.get("replay_from") == FROM_START:
+                with self.engine.begin() as conn:
+                    checkpoints.clear(conn, self.pipeline, item.entity_ref)
+            handle(attempt)
+        except Exception as exc:  # noqa: BLE001 - every failure is classified and settled, none escapes
+            stage, cause = (exc.stage, exc.cause) if isinstance(exc, StageError) else \
+                (attempt.current_stage or item.stage or next(iter(self.policies)), exc)
+            try:
+                outcome = self._settle_failure(attempt, stage, cause)
+            except LeaseLost:
+                outcome = "lease_lost"
+            except Exception as settle_exc:  # noqa: BLE001 - the row's lease expires and it is worked again
+                log.error("drain %s: could not settle %s: %s", self.pipeline, item.entity_ref,
+                          sanitize_text(str(settle_exc))[:300])
+                outcome = "unsettled"
+        else:
+            try:
+                self._settle_success(attempt)
+                outcome = "done"
+            except LeaseLost:
+                outcome = "lease_lost"
+            except Exception as settle_exc:  # noqa: BLE001
+                log.error("drain %s: could not complete %s: %s", self.pipeline, item.entity_ref,
+                          sanitize_text(str(settle_exc))[:300])
+                outcome = "unsettled"
+        with lock:
+            if outcome == "done":
+                report.done += 1
+            elif outcome == "retried":
+                report.retried += 1
+            elif outcome == "dead_lettered":
+                report.dead_lettered += 1
+            elif outcome == "lease_lost":
+                report.lease_lost += 1
+            else:
+                report.errors[outcome] = report.errors.get(outcome, 0) + 1
+
+    def _settle_success(self, attempt: Attempt) -> None:
+        now = self.reliability.now()
+        with self.engine.begin() as conn:
+            for write in attempt.on_success:
+                write(conn)
+            if not work.complete(conn, attempt.item, now=now, attempts=attempt.stage_attempts()):
+                raise LeaseLost(attempt.entity_ref)
+            if attempt.replay_of is not None or attempt.item.stage is not None:
+                deadletters.close_after_success(conn, self.pipeline, attempt.entity_ref, now)
+
+    def _settle_failure(self, attempt: Attempt, stage: str, exc: BaseException) -> str:
+        item, now = attempt.item, self.reliability.now()
+        policy = self.policy_for(stage)
+        failure = policy.classify(exc, now)
+        number = item.attempts.get(stage, 0) + 1
+        decision = self.decide(policy, failure, number, f"{self.pipeline}:{item.entity_ref}:{stage}:{number}")
+        stage_attempts = attempt.stage_attempts(stage)
+        public = sanitize_text(f"{stage} attempt {number}/{policy.max_attempts} of {item.entity_ref}: "
+                               f"{failure.code}: {failure.message}")
+        if decision.retry:
+            due_at = now + timedelta(seconds=decision.delay * self.reliability.time_scale)
+            with self.engine.begin() as conn:
+                if not work.reschedule(conn, item, due_at=due_at, stage=stage, attempts=stage_attempts,
+                                       error=public, now=now):
+                    raise LeaseLost(item.entity_ref)
+            if log.isEnabledFor(logging.INFO):
+                log.info("%s; next attempt due %s", public, due_at.isoformat())
+            return "retried"
+        final = FinalFailure(
+            pipeline=self.pipeline, stage=stage, entity_ref=item.entity_ref, failure=failure, attempts=number,
+            at=now, tenant=attempt.tenant, stack=sanitize_exception(exc),
+            context={**attempt.context, "decision": decision.reason, "dagster_run_id": self.run_id},
+            payload_ref=attempt.payload_ref, stage_attempts=stage_attempts, run_id=self.run_id,
+        )
+        with self.engine.begin() as conn:
+            if not work.bury(conn, item, stage=stage, attempts=stage_attempts, error=public, now=now):
+                raise LeaseLost(item.entity_ref)
+            for write in attempt.on_failure:
+                write(conn, failure)
+            recorded = self.reliability.fail_for_good(final, conn=conn)
+        log.warning("%s; %s: dead letter %s", public, decision.reason, recorded.dead_letter.id)
+        return "dead_lettered"
+
+    def decide(self, policy: StagePolicy, failure: Failure, attempt: int, jitter_key: str) -> RetryDecision:
+        return decide(failure, attempt, policy.max_attempts, policy.backoff, self.reliability.rng_for(jitter_key))
+

@@ -1,0 +1,87 @@
+"""The drain at the Dagster edge: one op per drain run, its retry policy, its executor, its config.
+
+A drain run is one op in one process (`in_process_executor`): a second process would load
+the code location again for nothing. Per-entity failures never fail the op: the drain
+settles each entity (due again, or dead-lettered). What does fail the op is the run's own
+infrastructure (PostgreSQL unreachable, the code broken): `DRAIN_RETRY_POLICY` retries it
+with backoff and jitter, and the drain resumes where the rows say (leases fence the rest).
+Whatever the op raises reaches Dagster's event log only as a sanitized one-line failure.
+"""
+
+# No `from __future__ import annotations`: Dagster reads config types from live annotations.
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import dagster as dg
+
+from redrive.drain import Drain, DrainReport, Handler
+from redrive.failures import classify_exception
+from redrive.reliability import Reliability
+from redrive.sanitize import sanitize_text
+from redrive.stages import StageFailed, StagePolicy
+
+# Unclassified and infrastructure failures of the op itself (database or S3 unreachable).
+DRAIN_RETRY_POLICY = dg.RetryPolicy(max_retries=3, delay=2.0, backoff=dg.Backoff.EXPONENTIAL,
+                                    jitter=dg.Jitter.PLUS_MINUS)
+
+
+class DrainConfig(dg.Config):
+    """Bounds of one drain run; the defaults suit the 2-core reference machine."""
+
+    concurrency: int = 8  # entities in flight at once (threads; the work is I/O)
+    batch_size: int = 50  # rows leased per claim statement
+    max_seconds: float = 600.0  # the run ends after this; the sensor starts the next round
+    linger_seconds: float = 5.0  # wait this long for work falling due before ending
+    max_items: int | None = None
+
+
+@contextlib.contextmanager
+def sanitized_failures(what: str) -> Iterator[None]:
+    """Let Dagster's own control flow through; turn any other exception into a sanitized `Failure`.
+
+    Dagster stores an op's exception, its message and its cause chain in the event log; a
+    secret in an upstream error must not land there, so the original is not chained.
+    """
+    try:
+        yield
+    except (dg.Failure, dg.RetryRequested):
+        raise
+    except Exception as exc:  # noqa: BLE001 - named, sanitized, retried by the op's policy
+        failure = classify_exception(exc)
+        raise dg.Failure(description=sanitize_text(f"{what}: {failure.code}: {failure.message}")[:500],
+                         metadata={"error_class": failure.code}) from StageFailed(failure.code)
+
+
+def run_drain(context: dg.OpExecutionContext, runtime: Reliability, pipeline: str,
+              policies: Mapping[str, StagePolicy], handle: Handler, config: DrainConfig, *,
+              group_key: str | None = None) -> dg.Output:
+    """Drain `pipeline`'s due work (of one group, e.g. a file job) and report the counts."""
+    drain = Drain(reliability=runtime, pipeline=pipeline, policies=policies, owner=f"run:{context.run_id}",
+                  concurrency=config.concurrency, batch_size=config.batch_size, max_seconds=config.max_seconds,
+                  linger_seconds=config.linger_seconds, max_items=config.max_items, run_id=context.run_id)
+    with sanitized_failures(f"drain of {pipeline}"):
+        report = drain.run(handle, group_key=group_key)
+    context.log.info(_summary(pipeline, report))
+    return dg.Output(report.as_metadata(), metadata={k: dg.MetadataValue.int(v)
+                                                     for k, v in report.as_metadata().items()})
+
+
+def _summary(pipeline: str, report: DrainReport) -> str:
+    return (f"{pipeline}: {report.claimed} claimed in {report.batches} batches; {report.done} done, "
+            f"{report.retried} due again later, {report.dead_lettered} dead-lettered, "
+            f"{report.lease_lost} lost to a reclaim")
+
+
+def drain_job(name: str, pipeline: str, op: dg.OpDefinition, *, description: str,
+              partitions_def: dg.PartitionsDefinition | None = None,
+              tags: Mapping[str, str] | None = None) -> dg.JobDefinition:
+    """A one-op job on the in-process executor, tagged with its pipeline (tag concurrency limits)."""
+
+    @dg.graph(name=f"{name}_graph")
+    def _graph() -> None:
+        op()
+
+    return _graph.to_job(name=name, description=description, executor_def=dg.in_process_executor,
+                         partitions_def=partitions_def, tags={"redrive/pipeline": pipeline, **(tags or {})})
+

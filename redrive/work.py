@@ -1,0 +1,188 @@
+"""All SQL of the core's work queue (`work_items`): enqueue, claim, extend, settle, replay.
+
+One row per entity of a drained pipeline. The row's `due_at` is when it may be worked
+next: a retry moves it forward, a lease moves it to the lease's end, so a claim is one
+index range (`status IN (due, leased) AND due_at <= now`) and a holder that died simply
+lets its rows fall due again. Every write by a holder names the `lease_epoch` it claimed
+with; a write after the row was reclaimed changes nothing and returns False.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB, insert
+
+from redrive.schema import work_items
+
+DUE, LEASED, DONE, DEAD = "due", "leased", "done", "dead"
+OPEN_STATUSES = (DUE, LEASED)
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    id: int
+    pipeline: str
+    entity_ref: str
+    group_key: str | None
+    stage: str | None
+    attempts: Mapping[str, int]
+    payload: Mapping[str, Any]
+    lease_epoch: int
+    due_at: datetime
+
+    @classmethod
+    def from_row(cls, row: sa.Row[Any]) -> WorkItem:
+        return cls(row.id, row.pipeline, row.entity_ref, row.group_key, row.stage, dict(row.attempts or {}),
+                   dict(row.payload or {}), row.lease_epoch, row.due_at)
+
+
+def enqueue(conn: sa.Connection, pipeline: str, entity_ref: str, *, now: datetime, group_key: str | None = None,
+            payload: Mapping[str, Any] | None = None, reopen: bool = False) -> bool:
+    """Make the entity's work due now; idempotent per entity. True if a row was added or reopened.
+
+    `reopen` starts finished work again with fresh budgets (a versioned rerun): done or dead rows
+    become due; an open row is left as it is, so a duplicate request never doubles the work.
+    """
+    stmt = insert(work_items).values(pipeline=pipeline, entity_ref=entity_ref, group_key=group_key, status=DUE,
+                                     due_at=now, payload=dict(payload or {}))
+    if reopen:
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["pipeline", "entity_ref"],
+            set_={"status": DUE, "due_at": now, "attempts": sa.text("'{}'::jsonb"), "stage": None,
+                  "payload": stmt.excluded.payload, "last_error": None, "updated_at": now},
+            where=work_items.c.status.in_((DONE, DEAD)),
+        )
+    else:
+        stmt = stmt.on_conflict_do_nothing(index_elements=["pipeline", "entity_ref"])
+    return conn.execute(stmt.returning(work_items.c.id)).first() is not None
+
+
+def claim(conn: sa.Connection, pipeline: str, *, owner: str, limit: int, lease_seconds: float, now: datetime,
+          group_key: str | None = None) -> list[WorkItem]:
+    """Lease up to `limit` due rows (oldest due first), skipping rows another holder is claiming."""
+    picked = sa.select(work_items.c.id).where(
+        work_items.c.pipeline == pipeline,
+        work_items.c.status.in_(OPEN_STATUSES),
+        work_items.c.due_at <= now,
+    )
+    if group_key is not None:
+        picked = picked.where(work_items.c.group_key == group_key)
+    picked = picked.order_by(work_items.c.due_at).limit(limit).with_for_update(skip_locked=True).cte("picked")
+    rows = conn.execute(
+        sa.update(work_items)
+        .where(work_items.c.id == picked.c.id)
+        .values(status=LEASED, lease_owner=owner, lease_epoch=work_items.c.lease_epoch + 1,
+                due_at=now + timedelta(seconds=lease_seconds), updated_at=now)
+        .returning(*work_items.c)
+    )
+    return sorted((WorkItem.from_row(r) for r in rows), key=lambda i: i.id)
+
+
+def _held(item: WorkItem) -> sa.ColumnElement[bool]:
+    return sa.and_(work_items.c.id == item.id, work_items.c.lease_epoch == item.lease_epoch,
+                   work_items.c.status == LEASED)
+
+
+def extend(conn: sa.Connection, items: Sequence[WorkItem], *, lease_seconds: float, now: datetime) -> int:
+    """Push the leases of rows still held forward; the count still held."""
+    if not items:
+        return 0
+    held = sa.or_(*[_held(i) for i in items])
+    return conn.execute(sa.update(work_items).where(held)
+                        .values(due_at=now + timedelta(seconds=lease_seconds), updated_at=now)).rowcount
+
+
+def complete(conn: sa.Connection, item: WorkItem, *, now: datetime,
+             attempts: Mapping[str, int] | None = None) -> bool:
+    return conn.execute(sa.update(work_items).where(_held(item)).values(
+        status=DONE, stage=None, attempts=dict(attempts if attempts is not None else item.attempts),
+        payload={}, last_error=None, lease_owner=None, updated_at=now)).rowcount == 1
+
+
+def reschedule(conn: sa.Connection, item: WorkItem, *, due_at: datetime, stage: str, attempts: Mapping[str, int],
+               error: str, now: datetime) -> bool:
+    """The next attempt is a row falling due, not a run (the seeds' schedules live here)."""
+    return conn.execute(sa.update(work_items).where(_held(item)).values(
+        status=DUE, due_at=due_at, stage=stage, attempts=dict(attempts), last_error=error[:500],
+        payload=_without_replay_start(item.payload), lease_owner=None, updated_at=now)).rowcount == 1
+
+
+def bury(conn: sa.Connection, item: WorkItem, *, stage: str, attempts: Mapping[str, int], error: str,
+         now: datetime) -> bool:
+    """Dead: the dead letter (written in the same transaction) is now the entity's record."""
+    return conn.execute(sa.update(work_items).where(_held(item)).values(
+        status=DEAD, stage=stage, attempts=dict(attempts), last_error=error[:500], payload={},
+        lease_owner=None, updated_at=now)).rowcount == 1
+
+
+def release(conn: sa.Connection, items: Sequence[WorkItem], *, now: datetime) -> int:
+    """Give unstarted rows back at once (a run stopping early), due now, attempts untouched."""
+    if not items:
+        return 0
+    return conn.execute(sa.update(work_items).where(sa.or_(*[_held(i) for i in items]))
+                        .values(status=DUE, due_at=now, lease_owner=None, updated_at=now)).rowcount
+
+
+def replay(conn: sa.Connection, pipeline: str, entity_ref: str, *, dead_letter_id: int, from_start: bool,
+           now: datetime) -> bool:
+    """A dead letter's replay makes its row due again with fresh budgets. False: not a drained entity."""
+    payload = {"replay_of": dead_letter_id, "replay_from": "start" if from_start else "failed_stage"}
+    return conn.execute(
+        sa.update(work_items)
+        .where(work_items.c.pipeline == pipeline, work_items.c.entity_ref == entity_ref)
+        .values(status=DUE, due_at=now, attempts=sa.text("'{}'::jsonb"), lease_owner=None,
+                payload=work_items.c.payload.op("||")(sa.cast(payload, JSONB)), updated_at=now)
+    ).rowcount == 1
+
+
+def _without_replay_start(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """A full restart clears checkpoints once, on its first attempt; later retries keep new ones."""
+    return {k: v for k, v in payload.items() if not (k == "replay_from" and v == "start")}
+
+
+def has_item(conn: sa.Connection, pipeline: str, entity_ref: str) -> bool:
+    return conn.execute(sa.select(work_items.c.id).where(
+        work_items.c.pipeline == pipeline, work_items.c.entity_ref == entity_ref)).first() is not None
+
+
+@dataclass(frozen=True)
+class Backlog:
+    due: int  # due now (including expired leases)
+    leased: int  # held by a live lease
+    next_due_at: datetime | None  # the earliest open row's due time
+
+
+def backlog(conn: sa.Connection, pipeline: str, now: datetime, *, group_key: str | None = None) -> Backlog:
+    q = sa.select(
+        sa.func.count().filter(work_items.c.due_at <= now),
+        sa.func.count().filter(sa.and_(work_items.c.status == LEASED, work_items.c.due_at > now)),
+        sa.func.min(work_items.c.due_at),
+    ).where(work_items.c.pipeline == pipeline, work_items.c.status.in_(OPEN_STATUSES))
+    if group_key is not None:
+        q = q.where(work_items.c.group_key == group_key)
+    due, leased, next_due = conn.execute(q).one()
+    return Backlog(due, leased, next_due)
+
+
+def due_groups(conn: sa.Connection, pipeline: str, now: datetime, *, limit: int = 100) -> list[tuple[str, int]]:
+    """Groups (e.g. evidence file jobs) with due rows, and how many, oldest due first."""
+    rows = conn.execute(
+        sa.select(work_items.c.group_key, sa.func.count(), sa.func.min(work_items.c.due_at).label("first"))
+        .where(work_items.c.pipeline == pipeline, work_items.c.status.in_(OPEN_STATUSES),
+               work_items.c.due_at <= now, work_items.c.group_key.is_not(None))
+        .group_by(work_items.c.group_key).order_by(sa.text("first")).limit(limit)
+    )
+    return [(r.group_key, r.count) for r in rows]
+
+
+def counts(conn: sa.Connection, pipeline: str | None = None) -> dict[str, int]:
+    """Rows per status, for status commands and metrics."""
+    q = sa.select(work_items.c.status, sa.func.count()).group_by(work_items.c.status)
+    if pipeline:
+        q = q.where(work_items.c.pipeline == pipeline)
+    return {status: n for status, n in conn.execute(q)}
