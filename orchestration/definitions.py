@@ -40,6 +40,9 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
             *[s for p in pipelines for s in p.sensors],
         ],
         resources=resources,
+        # Every job's ops run in the run's own process: a step process per op would load the code location
+        # again (~4 CPU-s each) for jobs whose ops are sequential anyway. No job here has parallel ops that pay.
+        executor=dg.in_process_executor,
     )
 
 
