@@ -212,7 +212,7 @@ def alerts_dispatch() -> None:
 
     settings = Settings()
     with database_session(settings) as url:
-        runtime = Reliability(engine=engine_for(url), channels=notifier_from(settings).channels(),
+        runtime = Reliability(engine=engine_for(url), channels=notifier_from(settings).process_config_and_initialize().channels(),
                               burst_window=settings.alert_burst_window_seconds)
         report = runtime.try_dispatch()
     typer.echo(f"{report}" if report else "no channel configured")
