@@ -25,6 +25,8 @@ class PipelineDefs:
     resources: Mapping[str, Any] = field(default_factory=dict)
     # pipeline name → sensors.core.ReplayTarget, for dead-letter replays and durable retries
     replay_targets: Mapping[str, Any] = field(default_factory=dict)
+    # pipeline name → `(conn, limit) -> [FinalFailure]` from its repository (redrive.reconcile)
+    failed_for_good: Mapping[str, Any] = field(default_factory=dict)
 
 
 # Modules with a `pipeline_defs(settings)` function, in seed order.

@@ -1,0 +1,121 @@
+"""Issue 13 item 3: an entity failed for good without a dead letter is repaired once, by the core."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import sqlalchemy as sa
+
+from assets.conversion import repository as conversion
+from redrive import deadletters
+from redrive.clock import FrozenClock
+from redrive.deadletters import FinalFailure
+from redrive.failures import Code, Failure
+from redrive.reconcile import reconcile
+from redrive.reliability import Reliability
+from redrive.schema import alerts, dead_letters
+from tests.dagster_helpers import tick
+
+START = datetime(2026, 3, 8, 6, 0, tzinfo=UTC)
+SOURCES = {"conversion": conversion.failed_for_good}
+
+
+def crashed_failure(engine: sa.Engine, at: datetime) -> str:
+    """A job the worker failed for good, then crashed before its dead-letter commit (the first commit only)."""
+    job_id = str(uuid.uuid4())
+    with engine.begin() as conn:
+        conversion.create(conn, conversion.NewJob(job_id, "owner-1", "a.pdf", "u/a.pdf", 10, "0" * 64), at)
+        lease = conversion.claim(conn, "worker-1", at, 60, "pdf_gateway")
+        assert lease is not None and lease.job_id == job_id
+        assert conversion.fail(conn, lease, "GW_4XX", "gateway refused the file", at, {})
+    return job_id
+
+
+def counts(engine: sa.Engine) -> tuple[int, int]:
+    with engine.connect() as conn:
+        return (conn.execute(sa.select(sa.func.count()).select_from(dead_letters)).scalar_one(),
+                conn.execute(sa.select(sa.func.count()).select_from(alerts)).scalar_one())
+
+
+def test_failed_job_without_dead_letter_is_repaired_once(engine) -> None:
+    """One dead letter and one alert for the orphaned failure; a second pass repairs nothing."""
+    clock = FrozenClock(START)
+    job_id = crashed_failure(engine, START)
+    runtime = Reliability(engine=engine, clock=clock)
+    clock.advance(120)
+
+    repaired = reconcile(runtime, SOURCES)
+    assert [(r.pipeline, r.entity_ref) for r in repaired] == [("conversion", job_id)]
+    assert counts(engine) == (1, 1)
+    with engine.connect() as conn:
+        letter = deadletters.active_for(conn, "conversion", job_id)
+    assert letter is not None and (letter.error_class, letter.stage, letter.retryable) == ("GW_4XX", "convert", False)
+    assert letter.last_failure_at == START
+
+    assert reconcile(runtime, SOURCES) == []
+    assert counts(engine) == (1, 1)
+
+
+def test_a_failure_younger_than_the_grace_period_is_left_to_its_worker(engine) -> None:
+    """The worker's own second commit is milliseconds away: the reconciler waits before stepping in."""
+    clock = FrozenClock(START)
+    crashed_failure(engine, START)
+    assert reconcile(Reliability(engine=engine, clock=clock), SOURCES) == []
+    assert counts(engine) == (0, 0)
+
+
+def test_a_resolved_dead_letter_is_not_reopened(engine) -> None:
+    """An operator's resolve stands: the job is still failed, but its failure has a letter."""
+    clock = FrozenClock(START)
+    job_id = crashed_failure(engine, START)
+    runtime = Reliability(engine=engine, clock=clock)
+    with engine.begin() as conn:
+        runtime.fail_for_good(FinalFailure("conversion", "convert", job_id, Failure.of(Code.BAD_REQUEST), 1, START),
+                              conn=conn)
+        letter = deadletters.active_for(conn, "conversion", job_id)
+        assert letter is not None
+        deadletters.resolve(conn, letter.id, note="converted by hand", at=START)
+    clock.advance(120)
+    assert reconcile(runtime, SOURCES) == []
+    assert counts(engine) == (1, 1)
+
+
+def test_concurrent_reconcilers_write_one_letter_and_one_alert(engine) -> None:
+    """Eight reconcilers at once over the same orphans: each entity gets exactly one letter and one alert."""
+    clock = FrozenClock(START + timedelta(minutes=5))
+    jobs = {crashed_failure(engine, START) for _ in range(5)}
+    results: list[list[str]] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def run() -> None:
+        try:
+            barrier.wait()
+            results.append([r.entity_ref for r in reconcile(Reliability(engine=engine, clock=clock), SOURCES)])
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sorted(e for r in results for e in r) == sorted(jobs)  # each repaired by exactly one reconciler
+    assert counts(engine) == (5, 5)
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.max(dead_letters.c.occurrences))).scalar_one() == 1
+
+
+def test_the_core_sensor_repairs_through_the_code_location(defs, instance, engine) -> None:
+    """The reconciliation sensor of the built Definitions finds the conversion source and repairs the job."""
+    job_id = crashed_failure(engine, START)  # START is long past: outside the grace period
+    assert tick(defs, instance, "redrive_dead_letter_reconciliation") == []
+    with engine.connect() as conn:
+        assert deadletters.active_for(conn, "conversion", job_id) is not None
+        kinds = conn.execute(sa.select(alerts.c.kind, alerts.c.entity_ref)).all()
+    assert [(k.kind, k.entity_ref) for k in kinds] == [("dead_letter", job_id)]
+    tick(defs, instance, "redrive_dead_letter_reconciliation")
+    assert counts(engine) == (1, 1)
