@@ -119,3 +119,48 @@ def test_the_core_sensor_repairs_through_the_code_location(defs, instance, engin
     assert [(k.kind, k.entity_ref) for k in kinds] == [("dead_letter", job_id)]
     tick(defs, instance, "redrive_dead_letter_reconciliation")
     assert counts(engine) == (1, 1)
+
+
+def test_command_reconciles_once(db_url, engine) -> None:
+    """`redrive dlq reconcile` repairs the orphan and says so; run again, it repairs nothing."""
+    from typer.testing import CliRunner
+
+    from redrive.cli import app
+
+    job_id = crashed_failure(engine, START)
+    first = CliRunner().invoke(app, ["dlq", "reconcile"], env={"DATABASE_URL": db_url})
+    assert first.exit_code == 0, first.output
+    assert f"conversion {job_id}: dead letter" in first.output and "1 repaired" in first.output
+    again = CliRunner().invoke(app, ["dlq", "reconcile"], env={"DATABASE_URL": db_url})
+    assert "0 repaired" in again.output
+    assert counts(engine) == (1, 1)
+
+
+def test_matching_and_review_notification_sources_are_repaired(engine) -> None:
+    """A failed document and a failed delivery row, each without its letter, are found by their repositories."""
+    from assets.matching import repository as matching
+    from assets.matching.policy import DocumentIn
+    from assets.review_notifications import policy as rn_policy
+    from assets.review_notifications import repository as review
+
+    clock = FrozenClock(START + timedelta(minutes=5))
+    with engine.begin() as conn:
+        matching.insert_document(conn, DocumentIn(id="doc-1", tenant="acme", doc_type="invoice",
+                                                  counterparty="ACME", references=["INV-1"]))
+        matching.mark_failed(conn, "doc-1", "AUTH_DENIED: provider refused the key", START)
+        job = review.insert_job(conn, rn_policy.ReviewRequest(idempotency_key="k-1", changelist_id="cl-9",
+                                                              review_version=2, recipients=("bob@example.com",)))
+        assert job is not None
+        review.insert_deliveries(conn, job, ["bob@example.com"])
+        delivery_id = conn.execute(sa.select(review.review_deliveries.c.id)).scalar_one()
+        conn.execute(sa.update(review.review_deliveries).values(updated_at=START))
+        assert review.fail_delivery(conn, delivery_id, "INVALID_RECIPIENT: mailbox does not exist")
+        conn.execute(sa.update(review.review_deliveries).values(updated_at=START))
+    sources = {"matching": matching.failed_for_good, "review_notifications": review.failed_for_good}
+    repaired = reconcile(Reliability(engine=engine, clock=clock), sources)
+    assert sorted((r.pipeline, r.entity_ref) for r in repaired) == [
+        ("matching", "doc-1"), ("review_notifications", f"cl-9:v2:d{delivery_id}")]
+    with engine.connect() as conn:
+        classes = dict(conn.execute(sa.select(dead_letters.c.pipeline, dead_letters.c.error_class)).all())
+    assert classes == {"matching": "AUTH_DENIED", "review_notifications": "INVALID_RECIPIENT"}
+    assert reconcile(Reliability(engine=engine, clock=clock), sources) == []
