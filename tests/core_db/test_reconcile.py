@@ -164,3 +164,29 @@ def test_matching_and_review_notification_sources_are_repaired(engine) -> None:
         classes = dict(conn.execute(sa.select(dead_letters.c.pipeline, dead_letters.c.error_class)).all())
     assert classes == {"matching": "AUTH_DENIED", "review_notifications": "INVALID_RECIPIENT"}
     assert reconcile(Reliability(engine=engine, clock=clock), sources) == []
+
+
+def test_evidence_source_repairs_a_settled_row_but_not_a_data_failure(engine) -> None:
+    """A row whose artifacts were closed for good (N2) without its letter is repaired; DATA-only rows are N2's."""
+    from assets.evidence import policy as ev_policy
+    from assets.evidence import repository as ev_repo
+    from tests.evidence.helpers import standard_job
+
+    data, _ = standard_job("rc", 2, 2)
+    parsed = ev_policy.parse_archive(data, file_types=frozenset({"pdf", "png", "txt"}), max_file_bytes=10**7,
+                                     max_archive_bytes=10**9)
+    job_id = ev_policy.file_job_id("bucket", "inbox/rc.zip", "etag")
+    with engine.begin() as conn:
+        job = ev_repo.upsert_file_job(conn, job_id, bucket="bucket", key="inbox/rc.zip", etag="etag",
+                                      notify_to="merchant@example.com", now=START)
+        ev_repo.record_ingest(conn, job, parsed, s3_uri=lambda aid, n: f"s3://bucket/files/{aid}/{n}", now=START)
+        rows = sorted(set(ev_repo.close_open_artifacts(conn, job_id, START)))
+        a = ev_repo.file_job_artifact
+        conn.execute(sa.update(a).where(a.c.file_job_row_id == rows[1]).values(attachment_error_code="CORRUPTED_FILE"))
+    clock = FrozenClock(START + timedelta(minutes=5))
+    sources = {"evidence": ev_repo.failed_for_good}
+    repaired = reconcile(Reliability(engine=engine, clock=clock), sources)
+    assert [r.entity_ref for r in repaired] == [ev_policy.row_entity(job_id, rows[0])]
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(dead_letters.c.error_class)).scalar_one() == "SYSTEM_ERROR"
+    assert reconcile(Reliability(engine=engine, clock=clock), sources) == []
