@@ -18,6 +18,7 @@ import hmac
 import json
 import logging
 import re
+import secrets
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -69,7 +70,10 @@ def _redaction_key() -> bytes:
     if not _KEY:
         from redrive.keys import redaction_key  # keys reads settings; sanitize stays importable anywhere
 
-        _KEY.append(redaction_key())
+        try:
+            _KEY.append(redaction_key())
+        except OSError:  # no writable data dir: a process-local key still hides values, correlation stays in-process
+            _KEY.append(secrets.token_bytes(32))
     return _KEY[0]
 
 
