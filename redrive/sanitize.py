@@ -150,7 +150,11 @@ def iban_ok(text: str) -> bool:
 
 
 def _named_secret(match: re.Match[str]) -> bool:
-    return is_secret_key(match.group("n"))
+    value = match.group("dq") if match.group("dq") is not None else match.group("sq")
+    return is_secret_key(match.group("n")) and not (value and _HEADER_NAME.fullmatch(value) and is_secret_key(value))
+
+
+_HEADER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 
 
 # Keys whose value is a secret, as they appear in text: `password=…`, `"api_key": "…"`, `X-Amz-Signature=…`.
@@ -195,7 +199,8 @@ _RULES: tuple[_Rule, ...] = (
         "dq|sq|v",
     ),
     # A secret given as a name/value pair: `{"name": "X-Api-Key", "value": "…"}` (JSON or Python repr,
-    # either order) and `("X-Api-Key", "…")` in a list of headers.
+    # either order) and `("X-Api-Key", "…")` inside a list of headers (a lone `["authorization", "x-api-key"]`
+    # is a list of names, not a pair).
     _Rule(
         "secret",
         re.compile(
@@ -217,7 +222,8 @@ _RULES: tuple[_Rule, ...] = (
     _Rule(
         "secret",
         re.compile(
-            r"[\(\[]\s*[\"'](?P<n>[A-Za-z0-9_.-]{1,64})[\"']\s*,\s*(?:b?\"(?P<dq>[^\"\r\n]*)\"|b?'(?P<sq>[^'\r\n]*)')\s*[\)\]]"
+            r"(?<=[\[(,])\s*[\(\[]\s*[\"'](?P<n>[A-Za-z0-9_.-]{1,64})[\"']\s*,\s*"
+            r"(?:b?\"(?P<dq>[^\"\r\n]*)\"|b?'(?P<sq>[^'\r\n]*)')\s*[\)\]]"
         ),
         "dq|sq",
         accept_match=_named_secret,
@@ -398,6 +404,10 @@ def _pair_name(obj: Mapping[Any, Any]) -> str | None:
     return None
 
 
+def _is_pair(item: Any) -> bool:
+    return isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], str)
+
+
 def is_text_key(key: str) -> bool:
     """True when a mapping key holds free text that may be a full prompt or body (hashed when long)."""
     return bool(_TEXT_KEY_SUFFIX.search(_norm_key(key)))
@@ -464,9 +474,11 @@ def sanitize_context(obj: Any, *, _depth: int = 0, _in_text: bool = False) -> An
             else:
                 out[safe_key] = sanitize_context(value, _depth=_depth + 1, _in_text=_in_text or is_text_key(name))
         return out
-    if isinstance(obj, list | tuple) and len(obj) == 2 and isinstance(obj[0], str) and is_secret_key(obj[0]):
-        # ("X-Api-Key", "…") in a list of headers
-        return [truncate(sanitize_text(obj[0]), 128), _secret_value_marker(obj[0], obj[1])]
+    if isinstance(obj, list | tuple) and obj and all(_is_pair(item) for item in obj):
+        # a list of headers as (name, value) pairs: a secret name's value goes
+        return [[truncate(sanitize_text(name), 128),
+                 _secret_value_marker(name, value) if is_secret_key(name) and value is not None
+                 else sanitize_context(value, _depth=_depth + 2, _in_text=_in_text)] for name, value in obj]
     if isinstance(obj, list | tuple | set | frozenset):
         items = sorted(obj, key=repr) if isinstance(obj, set | frozenset) else obj
         return [sanitize_context(item, _depth=_depth + 1, _in_text=_in_text) for item in items]

@@ -37,7 +37,7 @@ PII = [
     ("{'value': 'k3y-v4lue', 'name': 'Authorization'}", "k3y-v4lue", "secret", "Authorization"),
     ('[{"key": "client_secret", "value": "s3cr3t!"}]', "s3cr3t!", "secret", "client_secret"),
     ("headers=[('X-Api-Key', 'k3y-v4lue'), ('Accept', 'text/plain')]", "k3y-v4lue", "secret", "text/plain"),
-    ('["X-Auth-Token", "tok-123456"]', "tok-123456", "secret", "X-Auth-Token"),
+    ('[["X-Auth-Token", "tok-123456"]]', "tok-123456", "secret", "X-Auth-Token"),
 ]
 
 
@@ -58,6 +58,8 @@ KEPT = [
     "ssn-like 000-12-3456 and 666-12-3456 and 900-12-3456 are never issued",
     "date 2026-11-23 version 2024.01.15 port 5432",
     '{"name": "Accept", "value": "application/json"}',
+    "header names ['authorization', 'x-api-key'] were sent",  # a list of names, not a pair
+    "[('authorization', 'x-api-key')]",
     "order 5500-0000-0000-0005 x",  # 16 digits, Mastercard range, Luhn fails
     "uuid 123e4567-e89b-12d3-a456-426614174000",
 ]
@@ -119,6 +121,8 @@ def test_context_name_value_pairs_and_header_lists_lose_their_values() -> None:
     assert out["headers"][1] == {"name": "Accept", "value": "application/json"}
     assert out["raw_headers"][1] == ["Accept", "text/plain"]
     assert out["headers"][0]["name"] == "X-Api-Key"
+    assert sanitize_context({"webhook_header_names": ["authorization", "x-api-key"]}) == {
+        "webhook_header_names": ["authorization", "x-api-key"]}  # names only: nothing to redact
 
 
 def test_markers_are_keyed_so_a_phone_number_cannot_be_guessed_back() -> None:
