@@ -32,6 +32,8 @@ class PipelineDefs:
     replay_targets: Mapping[str, Any] = field(default_factory=dict)
     # pipeline names whose replays and retries are rows of the core's work queue (drain runs)
     drained: Sequence[str] = ()
+    # pipeline name → `(conn, limit) -> [FinalFailure]` from its repository (redrive.reconcile)
+    failed_for_good: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from assets.review_notifications import pipeline, policy
+from assets.review_notifications import pipeline, policy, repository
 from assets.review_notifications.settings import ReviewNotificationSettings
 from orchestration.registry import PipelineDefs
 from redrive.settings import Settings
@@ -29,6 +29,7 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
         },
         # Durable retries and dead-letter replays of a job or of one of its delivery rows run the
         # job's partition; the run config says which attempt or dead letter it serves.
+        failed_for_good={policy.PIPELINE: repository.failed_for_good},
         replay_targets={policy.PIPELINE: ReplayTarget(job=job, run_config=pipeline.run_config,
                                                       partition_key=policy.job_key_of)},
     )
