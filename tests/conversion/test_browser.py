@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-import uvicorn
 
 from assets.conversion import repository as repo
 from assets.conversion.api import BANNER, create_app
@@ -59,20 +56,9 @@ def driver() -> Iterator[object]:
 
 
 @pytest.fixture
-def served(engine, conv_settings) -> Iterator[str]:
-    """The API and page on a real port, as `python -m assets.conversion.api serve` runs them."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, conv_settings), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 15
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+def served(engine, conv_settings, serve_app) -> str:
+    """The API and page on a real port."""
+    return serve_app(create_app(engine, conv_settings))
 
 
 def wait_until(predicate, timeout: float = 15.0, what: str = "the page"):
