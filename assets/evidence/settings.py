@@ -6,7 +6,7 @@ from dagster import ConfigurableResource
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from assets.evidence.policy import ArchiveLimits
+from assets.evidence.policy import ArchiveLimits, Thresholds
 
 _LIMITS = ArchiveLimits()  # the one place the ingest limits' defaults are written
 
@@ -103,6 +103,12 @@ class EvidenceOptions(ConfigurableResource):
     def from_settings(cls, evidence: EvidenceSettings, bucket: str) -> EvidenceOptions:
         shared = set(cls.model_fields) - {"bucket"}
         return cls(bucket=evidence.bucket or bucket, **evidence.model_dump(include=shared))
+
+    def alert_thresholds(self) -> Thresholds:
+        """004 §6's alert rules as the monitor applies them."""
+        return Thresholds(self.alert_permanent_rate, self.alert_permanent_min_sample, self.alert_queue_depth,
+                          self.alert_queue_depth_sustain_seconds, self.alert_n2_avg_latency_seconds,
+                          self.alert_heartbeat_seconds)
 
     def archive_limits(self) -> ArchiveLimits:
         return ArchiveLimits(max_file_bytes=self.max_file_bytes, max_archive_bytes=self.max_archive_bytes,
