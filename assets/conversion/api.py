@@ -1,7 +1,7 @@
 """The conversion HTTP API and its page (003 §3.6), on Starlette (already the stack's ASGI framework).
 
     POST /api/jobs                 raw PDF body (X-Filename header for its name) → 201 job
-    GET  /api/jobs                 my jobs, newest first
+    GET  /api/jobs                 my jobs, newest first, and the server's time (`now`) for "next retry in …"
     GET  /api/jobs/{id}            one of my jobs
     GET  /api/jobs/{id}/result     the XML result
     POST /api/jobs/{id}/retry      003 §3.6 manual retry: only `failed` jobs whose PDF is still stored
@@ -169,7 +169,8 @@ def create_app(engine: sa.Engine, settings: ConversionSettings, clock: Clock | N
         owner = owner_of(request)
         with engine.connect() as conn:
             jobs = repo.list_for(conn, owner)
-        return JSONResponse({"jobs": [job_json(j, files) for j in jobs]})
+        # the server's clock, so the page says "next retry in 1 min" by the same time the worker goes by
+        return JSONResponse({"jobs": [job_json(j, files) for j in jobs], "now": clock.now().isoformat()})
 
     async def get_job(request: Request) -> Response:
         owner = owner_of(request)
