@@ -219,3 +219,49 @@ def test_metrics_sensor_records_the_snapshot_and_alerts_once_per_episode(fast_de
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(repo.evidence_metrics)).scalar() == 2
     assert instance.get_runs_count() == 0
+
+
+def test_dagster_job_backfill_of_file_job_partitions_works_their_due_rows(fast_settings, inbox, engine, s3, bucket,
+                                                                         sandbox, project_tmp) -> None:
+    """`dagster job backfill -j evidence_file_job --partitions a,b` (no run config) against a real instance:
+    one run per partition, each works its file job's due rows; every artifact ends attached once."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from orchestration.definitions import build_definitions
+
+    home = project_tmp / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(
+        "telemetry:\n  enabled: false\n"
+        "run_coordinator:\n  module: dagster._core.run_coordinator.default_run_coordinator\n"
+        "  class: DefaultRunCoordinator\n"
+        "run_launcher:\n  module: dagster._core.launcher.sync_in_memory_run_launcher\n  class: SyncInMemoryRunLauncher\n"
+        "compute_logs:\n  module: dagster._core.storage.noop_compute_log_manager\n  class: NoOpComputeLogManager\n")
+    settings = fast_settings.model_copy(update={"redrive_time_scale": 1.0})  # retries wait 5 min: not in-run
+    instance = dg.DagsterInstance.from_config(str(home))
+    driver = Driver(build_definitions(settings), instance)
+    sandbox.script("case.attach", *[{"status": 503}] * 6)  # the first passes fail once per artifact
+    jobs = [ingest(driver, s3, bucket, inbox, name, rows=1, per_row=3)[0] for name in ("ba", "bb")]
+    with engine.begin() as conn:  # their retries fall due now
+        conn.execute(sa.update(W).values(due_at=sa.func.now()))
+        conn.execute(sa.update(A).values(next_retry_at=sa.func.now()))
+    env = {**os.environ, "DAGSTER_HOME": str(home), "DATABASE_URL": settings.database_url or "",
+           "REDRIVE_TIME_SCALE": "1.0"}
+    dagster_cli = Path(sys.executable).with_name("dagster")
+    done = subprocess.run([str(dagster_cli), "job", "backfill", "-m", "orchestration.definitions", "-a", "defs",
+                           "-j", "evidence_file_job", "--partitions", ",".join(jobs), "--noprompt"],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs = [r for r in instance.get_runs() if r.tags.get("dagster/backfill")]
+    assert sorted(r.tags["dagster/partition"] for r in runs) == sorted(jobs)
+    assert all(r.status == dg.DagsterRunStatus.SUCCESS and not r.run_config.get("ops") for r in runs), \
+        [(r.status, r.run_config) for r in runs]
+    with engine.connect() as conn:
+        assert set(conn.execute(sa.select(A.c.attachment_status)).scalars()) == {"ATTACHED"}
+        assert set(conn.execute(sa.select(W.c.status)).scalars()) == {"done"}
+    keys = Counter(e["idempotency_key"] for e in sandbox.effects("case.attach"))
+    assert len(keys) == 6 and set(keys.values()) == {1}
+    instance.dispose()
