@@ -1,19 +1,20 @@
-"""What a tick of the evidence retry scheduler (004 §3) costs: it must follow the due rows, not the table.
+"""What finding an evidence file job's due rows costs: it must follow the due rows, not the table.
 
     python -m bench evidence                       # under the bench stack (make bench runs all)
     python -m bench.evidence                       # standalone (DATABASE_URL or the embedded PostgreSQL)
-    BENCH_EVIDENCE_ARTIFACTS=100000 python -m bench.evidence   # smaller, while developing
+    BENCH_EVIDENCE_ROWS=100000 python -m bench.evidence   # smaller, while developing
 
-Two artifact tables in one database, built with INSERT … SELECT generate_series:
-- **large**: 1,000,000 artifacts, 1 % due: 10,000 one-artifact rows whose artifact is due, spread
-  evenly among 99,000 rows of 10 artifacts that are attached or not due (every 13th row holds a
-  failure due in 30 minutes and a final CASE_NOT_FOUND);
-- **baseline**: 10,000 artifacts, the same 10,000 due one-artifact rows and nothing else.
-The due rows have the same shape in both, so a tick does the same work; only the table differs.
-Each tick is `repository.requeue_due` (lock ≤ 200 due rows SKIP LOCKED, mark their artifacts
-RETRY_SCHEDULED, write one outbox event per row) in its own committed transaction, exactly as the
-sensor runs it; the median over TICKS ticks is reported for both, with the ratio large / baseline,
-and EXPLAIN shows the due-rows index doing the selection.
+Retries are due times on the core's work queue (`work_items`, one row per file_job_row, grouped by
+file job), so 004 §3's scheduler scan is now the drain's claim: `work.claim(group_key=<file job>)`
+leases up to a batch of the file job's due rows (SKIP LOCKED). Two queues in one database, built
+with INSERT … SELECT generate_series:
+- **large**: 1,000,000 work rows in 5,000 file jobs of 200 rows; 1 % due (10,000 rows: every row of
+  50 file jobs), the rest done or due in 30 minutes;
+- **baseline**: the same 10,000 due rows and nothing else.
+Each claim of 50 rows of one due file job is timed in its own transaction and rolled back (so every
+claim finds the same work); the median over CLAIMS claims is reported for both, with the ratio
+large / baseline, and EXPLAIN shows the group's partial index doing the selection.
+`populate` (artifact tables) is kept for the monitor's tests.
 """
 
 from __future__ import annotations
@@ -26,18 +27,18 @@ from datetime import UTC, datetime
 
 import sqlalchemy as sa
 
-from assets.evidence import repository as repo
+from redrive import work
 from redrive.db import engine_for, normalize_url
+from redrive.schema import work_items
 from resources.database import resolve_database_url
 from orchestration.registry import all_metadata
 from redrive.settings import Settings
 
-TICKS = int(os.environ.get("BENCH_EVIDENCE_TICKS", "15"))
-BATCH_ROWS = 200
-SCAN = 1000  # EvidenceSettings.scheduler_scan_artifacts
+CLAIMS = int(os.environ.get("BENCH_EVIDENCE_CLAIMS", "30"))
+BATCH = 50  # DrainConfig.batch_size
+JOB_ROWS = 200
 DB_NAME = "redrive_bench_evidence"
-TABLES = ["file_job", "file_job_row", "file_job_artifact", "evidence_outbox", "evidence_scheduler_ticks",
-          "evidence_metrics", "evidence_alert_state"]
+TABLES = ["work_items"]
 
 _JOBS = """
 INSERT INTO file_job (id, source_bucket, source_key, source_etag, notify_to, status, created_at, updated_at)
@@ -96,6 +97,23 @@ def populate(conn: sa.Connection, *, tag: str, artifacts: int, due: int, per_row
         conn.execute(sa.text(statement), params)
 
 
+_WORK = """
+INSERT INTO work_items (pipeline, entity_ref, group_key, status, due_at, created_at, updated_at)
+SELECT 'evidence', :tag || '/row-' || r, :tag || '-job-' || (r / :job_rows),
+       CASE WHEN r < :due THEN 'due' WHEN r % 3 = 0 THEN 'due' ELSE 'done' END,
+       CASE WHEN r < :due THEN CAST(:now AS timestamptz) - make_interval(secs => r % 300)
+            ELSE CAST(:now AS timestamptz) + interval '30 minutes' END,
+       :now, :now
+FROM generate_series(0, :rows - 1) AS r
+"""
+
+
+def populate_work(conn: sa.Connection, *, tag: str, rows: int, due: int, now: datetime) -> None:
+    """`rows` work rows in file jobs of JOB_ROWS; the first `due` (whole file jobs) are due, a third of the
+    rest waits 30 minutes, the others are done."""
+    conn.execute(sa.text(_WORK), {"tag": tag, "rows": rows, "due": due, "job_rows": JOB_ROWS, "now": now})
+
+
 def _fresh_database(settings: Settings) -> sa.Engine:
     base = normalize_url(settings.database_url) if settings.database_url else resolve_database_url(settings)
     admin = engine_for(str(sa.engine.make_url(base).set(database="postgres")))
@@ -104,81 +122,64 @@ def _fresh_database(settings: Settings) -> sa.Engine:
         conn.execute(sa.text(f"CREATE DATABASE {DB_NAME}"))
     engine = engine_for(str(sa.engine.make_url(base).set(database=DB_NAME)))
     metadata = all_metadata()
-    metadata.create_all(engine, tables=[metadata.tables[t] for t in TABLES])  # the evidence tables only
+    metadata.create_all(engine, tables=[metadata.tables[t] for t in TABLES])
     return engine
 
 
-def _explain(engine: sa.Engine, now: datetime) -> str:
-    query = repo.due_rows_query(now, rows=BATCH_ROWS, scan=SCAN)
-    sql = str(query.compile(engine, compile_kwargs={"literal_binds": True}))
-    with engine.begin() as conn:
-        plan = conn.execute(sa.text(f"EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {sql}")).scalars().all()
-        conn.rollback()
-    return "\n".join(plan)
+def _claim_sql(engine: sa.Engine, group: str, now: datetime) -> str:
+    q = (sa.select(work_items.c.id).where(work_items.c.pipeline == "evidence", work_items.c.group_key == group,
+                                          work_items.c.status.in_(("due", "leased")), work_items.c.due_at <= now)
+         .order_by(work_items.c.due_at).limit(BATCH))
+    return str(q.compile(engine, compile_kwargs={"literal_binds": True}))
 
 
-def _ticks(engine: sa.Engine, now: datetime, n: int) -> list[float]:
+def _claims(engine: sa.Engine, tag: str, due_jobs: int, now: datetime, n: int) -> list[float]:
     times = []
-    for _ in range(n):
-        started = time.perf_counter()
-        with engine.begin() as conn:
-            requeued = repo.requeue_due(conn, now=now, rows=BATCH_ROWS, scan=SCAN)
-        times.append((time.perf_counter() - started) * 1000)
-        assert len(requeued) == BATCH_ROWS, f"expected a full batch, got {len(requeued)}"
-    return times
-
-
-def _selections(engine: sa.Engine, now: datetime, n: int) -> list[float]:
-    """The row selection alone (lock ≤ 200 due rows, SKIP LOCKED), rolled back: what the index decides."""
-    times = []
-    for _ in range(n):
+    for i in range(n):
+        group = f"{tag}-job-{i % due_jobs}"
         with engine.connect() as conn, conn.begin() as tx:
             started = time.perf_counter()
-            rows = conn.execute(repo.due_rows_query(now, rows=BATCH_ROWS, scan=SCAN)).all()
+            items = work.claim(conn, "evidence", owner="bench", limit=BATCH, lease_seconds=300, now=now,
+                               group_key=group)
             times.append((time.perf_counter() - started) * 1000)
             tx.rollback()
-        assert len(rows) == BATCH_ROWS
+        assert len(items) == BATCH, f"expected a full batch, got {len(items)}"
     return times
 
 
 def main() -> int:
-    artifacts = int(os.environ.get("BENCH_EVIDENCE_ARTIFACTS", "1000000"))
-    due = int(os.environ.get("BENCH_EVIDENCE_DUE", str(artifacts // 100)))
+    rows = int(os.environ.get("BENCH_EVIDENCE_ROWS", "1000000"))
+    due = int(os.environ.get("BENCH_EVIDENCE_DUE", str(rows // 100)))
+    due -= due % JOB_ROWS
     engine = _fresh_database(Settings())
     now = datetime(2026, 3, 2, 12, 0, tzinfo=UTC)
-    figures, selection = {}, {}
-    for name, size in (("baseline", due), ("large", artifacts)):
+    figures = {}
+    for name, size in (("baseline", due), ("large", rows)):
         started = time.perf_counter()
         with engine.begin() as conn:
-            for t in TABLES[:3]:
-                conn.execute(sa.text(f"TRUNCATE {t} CASCADE"))
-            populate(conn, tag=name, artifacts=size, due=due, per_row=10, now=now)
+            conn.execute(sa.text("TRUNCATE work_items"))
+            populate_work(conn, tag=name, rows=size, due=due, now=now)
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.execute(sa.text("VACUUM ANALYZE file_job_row"))
-            conn.execute(sa.text("VACUUM ANALYZE file_job_artifact"))
-            total = conn.execute(sa.text("SELECT count(*) FROM file_job_artifact")).scalar_one()
-            due_now = conn.execute(sa.text("SELECT count(*) FROM file_job_artifact WHERE retry_status = 'RETRY_FAILED' "
-                                           "AND next_retry_at <= :now AND is_retryable"), {"now": now}).scalar_one()
+            conn.execute(sa.text("VACUUM ANALYZE work_items"))
+            total = conn.execute(sa.text("SELECT count(*) FROM work_items")).scalar_one()
+            plan = "\n".join(conn.execute(sa.text(f"EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) "
+                                                   f"{_claim_sql(engine, name + '-job-0', now)}")).scalars())
         built = time.perf_counter() - started
-        plan = _explain(engine, now)
-        _ticks(engine, now, 2)  # warm caches and connections
-        selection[name] = statistics.median(_selections(engine, now, TICKS))
-        times = _ticks(engine, now, TICKS)
+        _claims(engine, name, due // JOB_ROWS, now, 3)  # warm caches and connections
+        times = _claims(engine, name, due // JOB_ROWS, now, CLAIMS)
         figures[name] = statistics.median(times)
-        uses_index = "idx_artifact_retry" in plan or name == "baseline"  # all due: a scan is the right plan
-        print(f"{name:>8}: {total:>9,} artifacts, {due_now:>6,} due (built in {built:.1f}s); "
-              f"tick of {BATCH_ROWS} rows: median {figures[name]:.1f} ms "
-              f"(min {min(times):.1f}, max {max(times):.1f}, {TICKS} ticks), of which the row selection "
-              f"{selection[name]:.1f} ms; due-rows index used: {uses_index}")
-        if name == "large" or os.environ.get("BENCH_EVIDENCE_PLANS"):
-            print("  EXPLAIN (ANALYZE) of the row selection:")
+        uses_index = "ix_work_items_group_claim" in plan
+        print(f"{name:>8}: {total:>9,} work rows, {due:>6,} due in {due // JOB_ROWS} file jobs (built in {built:.1f}s); "
+              f"claim of {BATCH} rows of one file job: median {figures[name]:.2f} ms "
+              f"(min {min(times):.2f}, max {max(times):.2f}, {CLAIMS} claims); group index used: {uses_index}")
+        if name == "large":
+            print("  EXPLAIN (ANALYZE) of the claim's selection:")
             print("\n".join("    " + line for line in plan.splitlines()))
-        if name == "large" and not uses_index:
-            print("  ERROR: the scheduler's selection did not use the due-rows index", file=sys.stderr)
-            return 1
-    ratio = figures["large"] / figures["baseline"]
-    print(f"ratio large/baseline: tick {ratio:.2f}×, row selection {selection['large'] / selection['baseline']:.2f}×, "
-          f"for {artifacts // due}× the artifacts with the same {due:,} due (1.0× = cost follows the due rows only)")
+            if not uses_index:
+                print("  ERROR: the claim did not use the group's due-rows index", file=sys.stderr)
+                return 1
+    print(f"ratio large/baseline: claim {figures['large'] / figures['baseline']:.2f}× for {rows // due}× the work "
+          f"rows with the same {due:,} due (1.0× = cost follows the due rows only)")
     engine.dispose()
     return 0
 

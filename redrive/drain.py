@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -69,6 +69,9 @@ class Attempt:
     context: dict[str, Any] = field(default_factory=dict)
     attempts: dict[str, int] = field(default_factory=dict)
     current_stage: str | None = None
+    # Set by a handler whose entity is not finished but has more work on its own schedule (evidence's
+    # per-artifact retries): it settles as due again then, with `on_success` in that transaction.
+    due_again_at: datetime | None = None
     on_success: list[Callable[[sa.Connection], None]] = field(default_factory=list)
     # (conn, failure, final): runs for a retry and for the final failure, before the dead letter is
     # built, so it may add to `context` (e.g. when the failure episode began)
@@ -255,8 +258,7 @@ class Drain:
                 outcome = "unsettled"
         else:
             try:
-                self._settle_success(attempt)
-                outcome = "done"
+                outcome = self._settle_success(attempt)
             except LeaseLost:
                 outcome = "lease_lost"
             except Exception as settle_exc:  # noqa: BLE001
@@ -275,15 +277,21 @@ class Drain:
             else:
                 report.errors[outcome] = report.errors.get(outcome, 0) + 1
 
-    def _settle_success(self, attempt: Attempt) -> None:
+    def _settle_success(self, attempt: Attempt) -> str:
         now = self.reliability.now()
         with self.engine.begin() as conn:
             for write in attempt.on_success:
                 write(conn)
+            if attempt.due_again_at is not None:
+                if not work.defer(conn, attempt.item, due_at=attempt.due_again_at, attempts=attempt.stage_attempts(),
+                                  now=now):
+                    raise LeaseLost(attempt.entity_ref)
+                return "retried"
             if not work.complete(conn, attempt.item, now=now, attempts=attempt.stage_attempts()):
                 raise LeaseLost(attempt.entity_ref)
             if attempt.replay_of is not None or attempt.item.stage is not None:
                 deadletters.close_after_success(conn, self.pipeline, attempt.entity_ref, now)
+        return "done"
 
     def _settle_failure(self, attempt: Attempt, stage: str, exc: BaseException) -> str:
         item, now = attempt.item, self.reliability.now()

@@ -62,6 +62,17 @@ def enqueue(conn: sa.Connection, pipeline: str, entity_ref: str, *, now: datetim
     return conn.execute(stmt.returning(work_items.c.id)).first() is not None
 
 
+def enqueue_many(conn: sa.Connection, pipeline: str, entities: Sequence[tuple[str, str | None]], *,
+                 now: datetime) -> int:
+    """`enqueue` for many entities in one statement (a file job's rows at ingest); rows already there stay."""
+    if not entities:
+        return 0
+    rows = [{"pipeline": pipeline, "entity_ref": ref, "group_key": group, "status": DUE, "due_at": now, "payload": {}}
+            for ref, group in entities]
+    stmt = insert(work_items).on_conflict_do_nothing(index_elements=["pipeline", "entity_ref"])
+    return len(conn.execute(stmt.returning(work_items.c.id), rows).all())
+
+
 def claim(conn: sa.Connection, pipeline: str, *, owner: str, limit: int, lease_seconds: float, now: datetime,
           group_key: str | None = None) -> list[WorkItem]:
     """Lease up to `limit` due rows (oldest due first), skipping rows another holder is claiming."""
@@ -110,6 +121,25 @@ def reschedule(conn: sa.Connection, item: WorkItem, *, due_at: datetime, stage: 
     return conn.execute(sa.update(work_items).where(_held(item)).values(
         status=DUE, due_at=due_at, stage=stage, attempts=dict(attempts), last_error=error[:500],
         payload=_without_replay_start(item.payload), lease_owner=None, updated_at=now)).rowcount == 1
+
+
+def defer(conn: sa.Connection, item: WorkItem, *, due_at: datetime, attempts: Mapping[str, int],
+          now: datetime) -> bool:
+    """Not finished, not failed: the entity has more work on its own schedule (evidence: artifacts whose
+    next retry falls due later), so the row falls due then; no failure is recorded."""
+    return conn.execute(sa.update(work_items).where(_held(item)).values(
+        status=DUE, due_at=due_at, attempts=dict(attempts), payload=_without_replay_start(item.payload),
+        lease_owner=None, updated_at=now)).rowcount == 1
+
+
+def poke(conn: sa.Connection, pipeline: str, entity_refs: Sequence[str], *, now: datetime) -> int:
+    """Make these entities' waiting rows due now (work outside the drain changed what they wait for).
+    Leased rows are left to their holder; finished rows stay finished."""
+    if not entity_refs:
+        return 0
+    return conn.execute(sa.update(work_items).where(
+        work_items.c.pipeline == pipeline, work_items.c.entity_ref.in_(list(entity_refs)),
+        work_items.c.status == DUE, work_items.c.due_at > now).values(due_at=now, updated_at=now)).rowcount
 
 
 def bury(conn: sa.Connection, item: WorkItem, *, stage: str, attempts: Mapping[str, int], error: str,

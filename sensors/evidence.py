@@ -1,9 +1,10 @@
-"""The evidence pipeline's sensors: new ZIPs in the inbox, the outbox publisher, the retry scheduler.
+"""The evidence pipeline's sensors: new ZIPs in the inbox, the N2 deadline, the §6 metrics.
 
-They decide and request; runs do the work. The publisher and the scheduler write to the outbox
-because that is what they are (004 §3: the scheduler's output is outbox rows; the publisher's is
-"published"), each in one short transaction. A sensor that meets an error raises it: Dagster
-shows a failed tick, never a silent "nothing new".
+They decide and request; runs do the work. Attach runs are requested by the core's
+`due_work_sensor` (one run per file job with due rows); the scheduler here only forces N2 at the
+deadline (004 §5) and records its heartbeat, and the metrics sensor records §6's snapshot as an
+asset event instead of starting a run every five minutes. A sensor that meets an error raises it:
+Dagster shows a failed tick, never a silent "nothing new".
 """
 
 # No `from __future__ import annotations`: Dagster reads config and resource types from live annotations.
@@ -15,16 +16,15 @@ import botocore.exceptions
 import dagster as dg
 from dagster_aws.s3 import S3Resource
 
-from assets.evidence import contracts, pipeline, policy, service
-from assets.evidence.repository import OutboxEvent
-from assets.evidence.settings import EvidenceSettings
+from assets.evidence import pipeline, policy, service
+from assets.evidence.settings import EvidenceOptions, EvidenceSettings
 from redrive.clock import SystemClock
 from redrive.run_keys import run_key
 from resources.reliability import ReliabilityResource
 
 INBOX_SENSOR = "evidence_inbox"
-PUBLISHER_SENSOR = "evidence_outbox_publisher"
 SCHEDULER_SENSOR = "evidence_retry_scheduler"
+METRICS_SENSOR = "evidence_metrics"
 FILE_JOBS = service.FILE_JOBS
 
 
@@ -93,60 +93,40 @@ def inbox_sensor(settings: EvidenceSettings, bucket: str, *, minimum_interval_se
     return _sensor
 
 
-def event_run_request(event: OutboxEvent) -> dg.RunRequest:
-    """An outbox event as a run of its file job's partition; the run key is the event id and its
-    publication number, so a repeated tick starts nothing twice and a republication starts a new run."""
-    key = run_key(service.PIPELINE, f"outbox-{event.event_id}", attempt=event.attempts)
-    tags = {"redrive/pipeline": service.PIPELINE, "evidence/event_id": str(event.event_id),
-            "evidence/event_type": event.event_type}
-    if event.event_type in (contracts.ATTACH_REQUESTED, contracts.ATTACH_RETRY):
-        return dg.RunRequest(run_key=key, job_name=pipeline.evidence_attach_job.name,
-                             partition_key=str(event.file_job_id), tags=tags,
-                             run_config={"ops": {"attach_row_evidence": {"config": {"event_id": str(event.event_id)}}}})
-    cfg = {"event_id": str(event.event_id)}
-    return dg.RunRequest(run_key=key, job_name=pipeline.evidence_file_job.name, partition_key=str(event.file_job_id),
-                         tags=tags, run_config={"ops": {"ingest_file_job": {"config": cfg},
-                                                        "send_file_job_notifications": {"config": cfg}}})
-
-
-def outbox_publisher_sensor(settings: EvidenceSettings, *, clock=None) -> dg.SensorDefinition:
-    clock = clock or SystemClock()
-
-    @dg.sensor(name=PUBLISHER_SENSOR, jobs=[pipeline.evidence_attach_job, pipeline.evidence_file_job],
-               minimum_interval_seconds=settings.publisher_interval_seconds,
-               default_status=dg.DefaultSensorStatus.RUNNING)
-    def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
-        """Publishes PENDING outbox events as runs of their file job's partition (run key: the event id)."""
-        runtime = reliability.runtime(clock)
-        claim = service.publish(runtime.engine, now=runtime.now(), limit=settings.publisher_batch,
-                                republish_after=timedelta(seconds=settings.republish_after_seconds),
-                                max_attempts=settings.max_publish_attempts)
-        if claim.failed:
-            context.log.warning(f"{len(claim.failed)} outbox events were never consumed and are FAILED "
-                                "(the monitor alerts on each)")
-        if not claim.published:
-            return dg.SkipReason("no outbox event to publish")
-        partitions = sorted({str(e.file_job_id) for e in claim.published})
-        return dg.SensorResult(run_requests=[event_run_request(e) for e in claim.published],
-                               dynamic_partitions_requests=[pipeline.file_jobs.build_add_request(partitions)])
-
-    return _sensor
-
-
 def retry_scheduler_sensor(settings: EvidenceSettings, *, clock=None) -> dg.SensorDefinition:
     clock = clock or SystemClock()
 
     @dg.sensor(name=SCHEDULER_SENSOR, minimum_interval_seconds=settings.scheduler_interval_seconds,
-               default_status=dg.DefaultSensorStatus.RUNNING)
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description="004 §5 deadline: forces N2 24 h after N1 (closing retries still open) and makes the "
+                           "touched rows due; records its tick as the §6 heartbeat. Retries themselves are due "
+                           "times on the work queue (sensor evidence_due_work).")
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
-        """004 §3: requeues failed rows whose retryable artifacts are due as EVIDENCE_ATTACH_RETRY outbox
-        events (≤ batch rows per tick, SKIP LOCKED), and forces N2 at the deadline."""
         runtime = reliability.runtime(clock)
-        report = service.schedule_retries(
-            runtime.engine, now=runtime.now(), batch_rows=settings.scheduler_batch_rows,
-            scan_artifacts=settings.scheduler_scan_artifacts,
-            n2_timeout=timedelta(hours=settings.n2_timeout_hours),
-            n2_marks_permanent=settings.n2_force_marks_permanent, monotonic=runtime.clock.monotonic)
-        return dg.SkipReason(report.describe() + "; the outbox publisher starts their runs")
+        report = service.scheduler_tick(runtime.engine, now=runtime.now(),
+                                        n2_timeout=timedelta(hours=settings.n2_timeout_hours),
+                                        n2_marks_permanent=settings.n2_force_marks_permanent,
+                                        monotonic=runtime.clock.monotonic)
+        return dg.SkipReason(report.describe())
+
+    return _sensor
+
+
+def metrics_sensor(settings: EvidenceSettings, *, clock=None) -> dg.SensorDefinition:
+    clock = clock or SystemClock()
+
+    @dg.sensor(name=METRICS_SENSOR, minimum_interval_seconds=settings.monitor_interval_seconds,
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description="004 §6: snapshots the evidence metrics into `evidence_metrics` and raises §6's alerts; "
+                           "reported as a materialization of the evidence_metrics asset, without a run.")
+    def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource,
+                evidence_options: EvidenceOptions):
+        o = evidence_options
+        thresholds = policy.Thresholds(o.alert_permanent_rate, o.alert_permanent_min_sample, o.alert_queue_depth,
+                                       o.alert_queue_depth_sustain_seconds, o.alert_n2_avg_latency_seconds,
+                                       o.alert_heartbeat_seconds)
+        report = service.monitor(reliability.runtime(clock), thresholds=thresholds,
+                                 window=timedelta(seconds=o.alert_permanent_window_seconds))
+        return dg.SensorResult(asset_events=[pipeline.metrics_materialization(report)])
 
     return _sensor

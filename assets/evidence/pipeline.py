@@ -1,19 +1,23 @@
-"""Evidence attach (004 Stage 1.3) as Dagster jobs over one dynamic partition per file job.
+"""Evidence attach (004 Stage 1.3) as one Dagster job over one dynamic partition per file job.
 
-- `evidence_file_job`: ingest the file job's ZIP (rows, artifacts, attach events in one
-  transaction), then send whatever N1/N2 the outbox holds for it. Requested by the inbox sensor
-  (new ZIP) and by the outbox publisher (an N1/N2 event).
-- `evidence_attach_job`: one outbox attach event → one row's evidence attached (Option A). Requested
-  by the outbox publisher, for the initial attach and for each retry the scheduler sensor requeues.
-- `evidence_metrics`: §6's metrics and alerts, on a schedule.
+`evidence_file_job` brings one file job forward, and needs no run config once the job is known:
+1. ingest the ZIP (rows, artifacts, attach events and the rows' work items in one transaction) —
+   only the inbox sensor's first run does this, later runs find it recorded;
+2. drain the file job's due rows through the core (`redrive.drain`, group = the file job): the
+   initial attach, every retry whose time has come, replays of dead-lettered rows;
+3. send whatever N1/N2 the outbox holds for it.
+Requested by the inbox sensor (a new ZIP) and by the core's due-work sensor (one run per file job
+with due rows, never while one is active), so a file job costs one run per retry round. A UI launch
+or a backfill of file-job partitions does exactly the same. The §6 metrics are a sensor's asset
+events (`evidence_metrics`), not runs.
 
-Every run is safe to repeat: ingest skips a file job it has recorded, the worker skips attached
-artifacts and looks up those with a recorded attempt, and notifications are sent once per token.
+Every run is safe to repeat: ingest skips a file job it has recorded, the drain leases rows (SKIP
+LOCKED, fenced), the worker skips attached artifacts and looks up those with a recorded attempt,
+and notifications are sent once per token.
 """
 
 # No `from __future__ import annotations`: Dagster reads config and resource types from live annotations.
 
-from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
@@ -24,6 +28,7 @@ from assets.evidence import policy, service, worker
 from assets.evidence import repository as repo
 from assets.evidence.settings import EvidenceOptions
 from redrive.backoff import FullJitter
+from redrive.drain_ops import DRAIN_RETRY_POLICY, DrainConfig, run_drain
 from redrive.failures import Code, Failure, PermanentError
 from redrive.stages import DeferredRetry, EntityRunFields, StagePolicy, Unit, entity_run_config, run_stage
 from redrive.vocabularies import EVIDENCE, EVIDENCE_S3
@@ -38,9 +43,12 @@ file_jobs = dg.DynamicPartitionsDefinition(name="evidence_file_jobs")
 """One partition per file job (its id, derived from the ZIP's bucket, key and ETag)."""
 
 # Stage policies for what stops a whole step (S3, the database, the mail provider). Per-artifact
-# attach failures never get here: they are data with their own durable schedule (next_retry_at).
+# attach failures never get here: they are data with their own schedule (next_retry_at, the row's
+# due time). ATTACH_POLICY counts a row's passes on its work row: one per retry round (3) plus up to
+# 3 passes a database error or a bug broke; no vocabulary, so a row's final failure keeps its code.
 INGEST_POLICY = StagePolicy(max_attempts=5, backoff=FullJitter(initial=2.0, max_delay=60.0), vocabulary=EVIDENCE_S3)
-ATTACH_POLICY = StagePolicy(max_attempts=3, backoff=FullJitter(initial=1.0, max_delay=30.0), vocabulary=EVIDENCE)
+ATTACH_POLICY = StagePolicy(max_attempts=6, backoff=FullJitter(initial=1.0, max_delay=30.0))
+ROW_POLICIES = {"attach": ATTACH_POLICY}
 NOTIFY_POLICY = StagePolicy(max_attempts=5, backoff=FullJitter(initial=2.0, max_delay=60.0), vocabulary=EVIDENCE)
 
 
@@ -51,13 +59,6 @@ class FileJobConfig(EntityRunFields):
     key: str = ""
     etag: str = ""
     event_id: str | None = None
-
-
-class AttachConfig(EntityRunFields):
-    """One row's run: the outbox event (publisher), or the row itself (a replay or a durable retry)."""
-
-    event_id: str | None = None
-    row_id: str | None = None
 
 
 def _stage(context: dg.OpExecutionContext, runtime: Any, unit: Unit, stage: str, policy_: StagePolicy,
@@ -112,10 +113,24 @@ def ingest_file_job(context: dg.OpExecutionContext, config: FileJobConfig, relia
     )
 
 
+@dg.op(retry_policy=DRAIN_RETRY_POLICY)
+def attach_file_job_rows(context: dg.OpExecutionContext, config: DrainConfig, reliability: ReliabilityResource,
+                         case_api: CaseApiResource, evidence_options: EvidenceOptions,
+                         evidence_hooks: dg.ResourceParam[worker.WorkerHooks], ingested: dict) -> dg.Output:
+    """Attach the evidence of every due row of this file job (004 §4 Option A) through the core's drain:
+    the initial pass, each retry whose time has come, replays. A row with retries left falls due again
+    at its next retry time; a row that ends with operational failures is dead-lettered."""
+    runtime = reliability.runtime()
+    with case_api.session() as api:
+        handle = worker.row_handler(runtime, api, max_attempts=evidence_options.max_attempts, hooks=evidence_hooks,
+                                    run_id=context.run_id)
+        return run_drain(context, runtime, PIPELINE, ROW_POLICIES, handle, config, group_key=context.partition_key)
+
+
 @dg.op
 def send_file_job_notifications(context: dg.OpExecutionContext, config: FileJobConfig,
                                 reliability: ReliabilityResource, merchant_mail: MerchantMailResource,
-                                ingested: dict) -> dict:
+                                drained: dict) -> dict:
     """Send the file job's pending N1/N2 to the merchant: send first, then mark, one message per kind ever."""
     runtime = reliability.runtime()
     job_id = UUID(context.partition_key)
@@ -133,73 +148,21 @@ def send_file_job_notifications(context: dg.OpExecutionContext, config: FileJobC
     return out
 
 
-@dg.job(partitions_def=file_jobs, tags={"redrive/pipeline": FILE_JOBS})
+@dg.job(partitions_def=file_jobs, executor_def=dg.in_process_executor, tags={"redrive/pipeline": FILE_JOBS})
 def evidence_file_job() -> None:
-    """A file job: ingest its ZIP (once), then send its pending N1/N2 notifications."""
-    send_file_job_notifications(ingest_file_job())
+    """A file job: ingest its ZIP (once), attach the evidence of its due rows, send its pending N1/N2."""
+    send_file_job_notifications(attach_file_job_rows(ingest_file_job()))
 
 
-@dg.op
-def attach_row_evidence(context: dg.OpExecutionContext, config: AttachConfig, reliability: ReliabilityResource,
-                        case_api: CaseApiResource, evidence_options: EvidenceOptions,
-                        evidence_hooks: dg.ResourceParam[worker.WorkerHooks]) -> dict:
-    """Attach one row's evidence through the case API (004 §4 Option A): skip what is attached, look up what
-    has a recorded attempt, attach the rest, and write each outcome with its retry schedule."""
-    runtime = reliability.runtime()
-    job_id = UUID(context.partition_key)
-    if config.event_id is not None:
-        with runtime.engine.connect() as conn:
-            event = repo.get_event(conn, UUID(config.event_id))
-        if event is None or event.file_job_row_id is None:
-            raise dg.Failure(description=f"outbox event {config.event_id} is not an attach event", allow_retries=False)
-        row_id = event.file_job_row_id
-    elif config.row_id is not None:
-        row_id = UUID(config.row_id)
-    else:
-        raise dg.Failure(description="attach_row_evidence needs an event_id or a row_id", allow_retries=False)
-    entity = policy.row_entity(job_id, row_id)
-    if config.attempt is not None:
-        runtime.resume(PIPELINE, entity, config.attempt)
-    unit = Unit(PIPELINE, entity, payload_ref={"table": "file_job_row", "id": str(row_id)},
-                context={"file_job_id": str(job_id), "row_id": str(row_id), "event_id": config.event_id or "-"},
-                prior_attempts=config.prior_attempts)
-    with case_api.session() as api:
-        attach = worker.AttachWorker(runtime, api, max_attempts=evidence_options.max_attempts,
-                                     hooks=evidence_hooks, run_id=context.run_id)
-        if config.event_id is not None:
-            def work() -> worker.RowResult:
-                return attach.process_event(UUID(config.event_id))
-        else:
-            mode: policy.Mode = "replay" if config.replay_of is not None else "retry"
-
-            def work() -> worker.RowResult:
-                return attach.process_row(job_id, row_id, mode=mode)
-        result = _stage(context, runtime, unit, "attach", ATTACH_POLICY, work)
-    if result is None:
-        return {}
-    meta = result.metadata()
-    context.log.info(f"row {row_id}: {meta}")
-    context.add_output_metadata(meta)
-    return meta
+evidence_metrics = dg.AssetSpec(
+    "evidence_metrics", group_name=GROUP, kinds={"postgres"},
+    description="004 §6 evidence attach metrics (first-attempt and retry success rates, retry queue depth, "
+                "N1→N2 latency, permanent failures by code, scheduler health), kept in `evidence_metrics`. "
+                "Recorded by the `evidence_metrics` sensor every few minutes, without a run.")
 
 
-@dg.job(partitions_def=file_jobs, tags={"redrive/pipeline": PIPELINE})
-def evidence_attach_job() -> None:
-    """One row of a file job: attach its evidence, initial attempt or retry (one outbox event per run)."""
-    attach_row_evidence()
-
-
-@dg.asset(group_name=GROUP, kinds={"postgres"})
-def evidence_metrics(context: dg.AssetExecutionContext, reliability: ReliabilityResource,
-                     evidence_options: EvidenceOptions) -> dg.MaterializeResult:
-    """004 §6 evidence attach metrics (first-attempt and retry success rates, retry queue depth, N1→N2 latency,
-    permanent failures by code, scheduler health), kept in `evidence_metrics`; raises §6's alerts."""
-    o = evidence_options
-    thresholds = policy.Thresholds(o.alert_permanent_rate, o.alert_permanent_min_sample, o.alert_queue_depth,
-                                   o.alert_queue_depth_sustain_seconds, o.alert_n2_avg_latency_seconds,
-                                   o.alert_heartbeat_seconds)
-    report = service.monitor(reliability.runtime(), thresholds=thresholds,
-                             window=timedelta(seconds=o.alert_permanent_window_seconds))
+def metrics_materialization(report: service.MonitorReport) -> dg.AssetMaterialization:
+    """A monitor snapshot as the metrics asset's materialization (what the asset page charts)."""
     metadata: dict[str, Any] = {}
     for key, value in report.metrics.items():
         if isinstance(value, dict):
@@ -209,20 +172,9 @@ def evidence_metrics(context: dg.AssetExecutionContext, reliability: Reliability
         else:
             metadata[key] = value
     metadata["alerts_raised"] = ",".join(a.kind for a in report.alerts) or "-"
-    return dg.MaterializeResult(metadata=metadata)
-
-
-evidence_metrics_job = dg.define_asset_job("evidence_metrics_job", selection=[evidence_metrics],
-                                           tags={"redrive/pipeline": PIPELINE},
-                                           description="004 §6: snapshot the evidence metrics and raise alerts.")
-
-
-def attach_run_config(row_entity: str, extra: dict[str, Any]) -> dict[str, Any]:
-    """Run config of a replay or a durable retry of one row (sensors.core.ReplayTarget)."""
-    _, row = policy.split_row_entity(row_entity)
-    return entity_run_config(AttachConfig, ["attach_row_evidence"], **{**extra, "row_id": str(row)})
+    return dg.AssetMaterialization(asset_key=evidence_metrics.key, metadata=metadata)
 
 
 def file_job_run_config(file_job: str, extra: dict[str, Any]) -> dict[str, Any]:
-    """Run config of a replay or a durable retry of a file job."""
+    """Run config of a replay or a durable retry of a file job (ingest or notifications)."""
     return entity_run_config(FileJobConfig, ["ingest_file_job", "send_file_job_notifications"], **extra)

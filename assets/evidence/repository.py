@@ -28,13 +28,13 @@ from assets.evidence.policy import (
     PENDING,
     PERMANENT_FAILED,
     RECEIVED,
-    RETRY_SCHEDULED,
     RETRYING,
     VALID,
 )
 from redrive import deadletters
 from redrive.deadletters import FinalFailure
 from redrive.failures import Failure
+from redrive import work
 from redrive.schema import NOW, TZ, metadata
 
 UUIDType = PG_UUID(as_uuid=True)
@@ -44,6 +44,8 @@ def _enum_check(column: str, values: Iterable[str], name: str) -> sa.CheckConstr
     listed = ", ".join(f"'{v}'" for v in values)
     return sa.CheckConstraint(f"{column} IN ({listed})", name=name)
 
+
+PIPELINE = "evidence"  # the core's name for a row's attach work: work rows, dead letters, replay
 
 # ------------------------------------------------------------------------------------------- tables
 
@@ -304,8 +306,9 @@ def mark_ingest_failed(conn: sa.Connection, job_id: UUID, code: str, message: st
 
 def record_ingest(conn: sa.Connection, job: FileJob, parsed: policy.ParsedArchive, *, s3_uri: Callable[[UUID, str], str],
                   now: datetime) -> dict[str, int]:
-    """Rows, artifacts and one EVIDENCE_ATTACH_REQUESTED event per attachable row, in the caller's
-    transaction. Keys are derived from the file job, so a second ingest inserts nothing new."""
+    """Rows, artifacts, one EVIDENCE_ATTACH_REQUESTED event and one due work row (the core's queue, grouped
+    by file job) per attachable row, in the caller's transaction. Keys are derived from the file job, so
+    a second ingest inserts nothing new."""
     rows: list[dict[str, Any]] = []
     artifacts: list[dict[str, Any]] = []
     events: list[dict[str, Any]] = []
@@ -348,6 +351,8 @@ def record_ingest(conn: sa.Connection, job: FileJob, parsed: policy.ParsedArchiv
         conn.execute(insert(file_job_artifact).on_conflict_do_nothing(), artifacts)
     if events:
         conn.execute(insert(evidence_outbox).on_conflict_do_nothing(index_elements=["event_id"]), events)
+        work.enqueue_many(conn, PIPELINE, [(policy.row_entity(job.id, e["file_job_row_id"]), str(job.id))
+                                                  for e in events], now=now)
     for prow in parsed.rows:
         if prow.ok:
             refresh_row(conn, job.id, policy.row_id(job.id, prow.line_no), now)
@@ -387,50 +392,22 @@ def get_event(conn: sa.Connection, event_id: UUID) -> OutboxEvent | None:
     return OutboxEvent.from_row(row) if row else None
 
 
-@dataclass(frozen=True)
-class PublishClaim:
-    published: list[OutboxEvent]
-    failed: list[OutboxEvent]
-
-
-def claim_for_publish(conn: sa.Connection, *, now: datetime, limit: int, republish_after: timedelta,
-                      max_attempts: int) -> PublishClaim:
-    """PENDING events (oldest first) and PUBLISHED ones nobody consumed in time become PUBLISHED with
-    one more attempt; those out of attempts become FAILED. SKIP LOCKED: two publishers split the work."""
-    o = evidence_outbox
-    pending = conn.execute(
-        sa.select(o.c.event_id).where(o.c.status == "PENDING").order_by(o.c.seq).limit(limit)
-        .with_for_update(skip_locked=True)
-    ).scalars().all()
-    stale = conn.execute(
-        sa.select(o.c.event_id, o.c.attempts)
-        .where(o.c.status == "PUBLISHED", o.c.published_at <= now - republish_after)
-        .order_by(o.c.published_at).limit(max(0, limit - len(pending)))
-        .with_for_update(skip_locked=True)
-    ).all()
-    exhausted = [r.event_id for r in stale if r.attempts >= max_attempts]
-    again = [*pending, *(r.event_id for r in stale if r.attempts < max_attempts)]
-    failed: list[OutboxEvent] = []
-    if exhausted:
-        failed = [OutboxEvent.from_row(r) for r in conn.execute(
-            sa.update(o).where(o.c.event_id.in_(exhausted))
-            .values(status="FAILED", last_error=f"not consumed after {max_attempts} publications", updated_at=now)
-            .returning(*o.c))]
-    published: list[OutboxEvent] = []
-    if again:
-        published = [OutboxEvent.from_row(r) for r in conn.execute(
-            sa.update(o).where(o.c.event_id.in_(again))
-            .values(status="PUBLISHED", attempts=o.c.attempts + 1, published_at=now, updated_at=now)
-            .returning(*o.c))]
-    published.sort(key=lambda e: e.seq)
-    return PublishClaim(published, failed)
-
-
 def mark_consumed(conn: sa.Connection, event_id: UUID, now: datetime) -> None:
     conn.execute(
         sa.update(evidence_outbox).where(evidence_outbox.c.event_id == event_id)
         .values(status="CONSUMED", consumed_at=now, updated_at=now)
     )
+
+
+def consume_row_events(conn: sa.Connection, job_id: UUID, row_id: UUID, now: datetime) -> int:
+    """The row's attach events (initial and retries) are consumed by the pass that worked the row."""
+    o = evidence_outbox
+    return conn.execute(
+        sa.update(o).where(o.c.file_job_id == job_id, o.c.file_job_row_id == row_id,
+                           o.c.event_type.in_((contracts.ATTACH_REQUESTED, contracts.ATTACH_RETRY)),
+                           o.c.status.in_(("PENDING", "PUBLISHED")))
+        .values(status="CONSUMED", consumed_at=now, updated_at=now)
+    ).rowcount
 
 
 def notification_events(conn: sa.Connection, job_id: UUID) -> list[OutboxEvent]:
@@ -619,95 +596,44 @@ def mark_notification_sent(conn: sa.Connection, job_id: UUID, kind: str, message
 # ----------------------------------------------------------------------------------------- scheduler
 
 
-def _due_now(now: datetime) -> sa.ColumnElement[bool]:
+def next_retry_at(conn: sa.Connection, job_id: UUID, row_id: UUID) -> datetime | None:
+    """When the row's earliest retryable failure falls due (004 §3's `next_retry_at`, per artifact)."""
     a = file_job_artifact
-    return sa.and_(sa.text(RETRY_SCAN_PREDICATE), a.c.next_retry_at <= now, a.c.is_retryable.is_(True),
-                   a.c.attachment_status != ATTACHED)
+    return conn.execute(
+        sa.select(sa.func.min(a.c.next_retry_at))
+        .where(a.c.file_job_id == job_id, a.c.file_job_row_id == row_id, a.c.attachment_status != ATTACHED,
+               a.c.retry_status != PERMANENT_FAILED, a.c.is_retryable.is_(True))
+    ).scalar()
 
 
-def due_rows_query(now: datetime, *, rows: int, scan: int) -> sa.Select[Any]:
-    """004 §3 selection: rows PARTIALLY_FAILED/FAILED with a retryable artifact whose next_retry_at has
-    come (the permanent codes are excluded by `is_retryable`), found through the due-rows index."""
+def schedule_row_retry(conn: sa.Connection, job_id: UUID, row_id: UUID, now: datetime) -> UUID | None:
+    """004 §3 requeue of one row, in the transaction that makes its work row due at its next retry: bump
+    the row's `retry_round` and write one EVIDENCE_ATTACH_RETRY naming all its artifacts (Option A)."""
     a, r = file_job_artifact, file_job_row
-    # Only columns of 004's covering index here, so this is an index-only range scan in next_retry_at
-    # order that stops after `scan` entries, whatever the table's size; `is_retryable` is re-checked
-    # by the update that schedules them (`_due_now`), which is what excludes the permanent codes.
-    due_artifacts = (
-        sa.select(a.c.file_job_row_id)
-        .where(sa.text(RETRY_SCAN_PREDICATE), a.c.next_retry_at <= now, a.c.attachment_status != ATTACHED)
-        .order_by(a.c.next_retry_at).limit(scan)
-    )
-    return (
-        sa.select(r.c.id, r.c.file_job_id)
-        .where(r.c.id.in_(due_artifacts), r.c.evidence_status.in_(("PARTIALLY_FAILED", "FAILED")))
-        .limit(rows)
-        .with_for_update(of=r, skip_locked=True)
-    )
-
-
-@dataclass(frozen=True)
-class Requeued:
-    row_id: UUID
-    file_job_id: UUID
-    event_id: UUID
-    artifacts: int
-
-
-def requeue_due(conn: sa.Connection, *, now: datetime, rows: int, scan: int,
-                after_lock: Callable[[list[UUID]], None] | None = None) -> list[Requeued]:
-    """One scheduler tick in the caller's transaction: lock due rows (SKIP LOCKED), mark their due
-    artifacts RETRY_SCHEDULED, and write one EVIDENCE_ATTACH_RETRY event per row naming all its
-    artifacts (Option A). The artifact update re-checks "due" in a fresh snapshot, so a row another
-    tick requeued and committed meanwhile is not requeued twice."""
-    a, r = file_job_artifact, file_job_row
-    locked = conn.execute(due_rows_query(now, rows=rows, scan=scan)).all()
-    if after_lock is not None:
-        after_lock([x.id for x in locked])
-    if not locked:
-        return []
-    jobs, rows_ = {x.file_job_id for x in locked}, [x.id for x in locked]
-    # A due artifact that is not retryable (a permanent code left RETRY_FAILED by hand or by an old
-    # writer) is closed, so it leaves the due-rows index instead of holding a batch slot every tick.
-    conn.execute(
-        sa.update(a)
-        .where(a.c.file_job_id.in_(jobs), a.c.file_job_row_id.in_(rows_), sa.text(RETRY_SCAN_PREDICATE),
-               a.c.next_retry_at <= now, a.c.attachment_status != ATTACHED, a.c.is_retryable.is_not(True))
-        .values(retry_status=PERMANENT_FAILED, next_retry_at=None, updated_at=now)
-    )
-    scheduled = conn.execute(
-        sa.update(a)
-        .where(a.c.file_job_id.in_({x.file_job_id for x in locked}), a.c.file_job_row_id.in_([x.id for x in locked]),
-               _due_now(now))
-        .values(retry_status=RETRY_SCHEDULED, last_retry_at=now, updated_at=now)
-        .returning(a.c.file_job_row_id)
-    ).scalars().all()
-    per_row: dict[UUID, int] = {}
-    for rid in scheduled:
-        per_row[rid] = per_row.get(rid, 0) + 1
-    if not per_row:
-        return []
     bumped = conn.execute(
-        sa.update(r).where(r.c.id.in_(list(per_row))).values(retry_round=r.c.retry_round + 1, updated_at=now)
+        sa.update(r).where(r.c.id == row_id, r.c.file_job_id == job_id)
+        .values(retry_round=r.c.retry_round + 1, updated_at=now)
         .returning(r.c.id, r.c.file_job_id, r.c.case_id, r.c.retry_round)
-    ).all()
-    refs: dict[UUID, list[contracts.ArtifactRef]] = {}
-    for x in conn.execute(
-        sa.select(a.c.file_job_row_id, a.c.id, a.c.s3_key)
-        .where(a.c.file_job_id.in_({b.file_job_id for b in bumped}), a.c.file_job_row_id.in_(list(per_row)))
-        .order_by(a.c.file_name, a.c.id)
-    ):
-        refs.setdefault(x.file_job_row_id, []).append(contracts.ArtifactRef(artifact_id=x.id, s3_key=x.s3_key))
-    out, values = [], []
-    for b in sorted(bumped, key=lambda b: str(b.id)):
-        event = contracts.EvidenceAttachRetry(
-            event_id=policy.retry_event_id(b.id, b.retry_round), occurred_at=now, file_job_id=b.file_job_id,
-            file_job_row_id=b.id, case_id=b.case_id, artifacts=refs[b.id], retry_round=b.retry_round)
-        values.append(_event_values(event, row=b.id, case=b.case_id, now=now))
-        out.append(Requeued(b.id, b.file_job_id, event.event_id, per_row[b.id]))
-    # executemany with RETURNING: SQLAlchemy batches it as one multi-VALUES insert from a cached statement
-    conn.execute(insert(evidence_outbox).on_conflict_do_nothing(index_elements=["event_id"])
-                 .returning(evidence_outbox.c.event_id), values).all()
-    return out
+    ).first()
+    if bumped is None or bumped.case_id is None:
+        return None
+    refs = [contracts.ArtifactRef(artifact_id=x.id, s3_key=x.s3_key) for x in conn.execute(
+        sa.select(a.c.id, a.c.s3_key).where(a.c.file_job_id == job_id, a.c.file_job_row_id == row_id)
+        .order_by(a.c.file_name, a.c.id))]
+    event = contracts.EvidenceAttachRetry(
+        event_id=policy.retry_event_id(row_id, bumped.retry_round), occurred_at=now, file_job_id=job_id,
+        file_job_row_id=row_id, case_id=bumped.case_id, artifacts=refs, retry_round=bumped.retry_round)
+    add_event(conn, event, row=row_id, case=bumped.case_id, now=now)
+    return event.event_id
+
+
+def open_rows(conn: sa.Connection, job_id: UUID) -> list[UUID]:
+    """Rows of the file job with an artifact neither attached nor final."""
+    a = file_job_artifact
+    return list(conn.execute(
+        sa.select(a.c.file_job_row_id).distinct()
+        .where(a.c.file_job_id == job_id, a.c.attachment_status != ATTACHED, a.c.retry_status != PERMANENT_FAILED)
+    ).scalars())
 
 
 def overdue_n2_jobs(conn: sa.Connection, *, cutoff: datetime, limit: int) -> list[FileJob]:

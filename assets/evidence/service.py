@@ -1,5 +1,5 @@
-"""The evidence pipeline's transactional steps: N1/N2 gates, the retry scheduler's tick, the outbox
-publisher's claim, and the monitor. Each step is one or a few transactions over `repository`,
+"""The evidence pipeline's transactional steps: N1/N2 gates, the scheduler's tick (the N2 deadline),
+and the monitor. Each step is one or a few transactions over `repository`,
 deciding with `policy`; none calls an external service (those are in `worker`).
 """
 
@@ -15,10 +15,11 @@ import sqlalchemy as sa
 
 from assets.evidence import contracts, policy
 from assets.evidence import repository as repo
+from redrive import work
 from redrive.alerts import Alert
 from redrive.reliability import Reliability
 
-PIPELINE = "evidence"  # rows: attach, dead letters, replay
+PIPELINE = repo.PIPELINE  # rows: attach work, dead letters, replay
 FILE_JOBS = "evidence_file_jobs"  # file jobs: ingest and notifications
 
 
@@ -84,39 +85,30 @@ def _notify_event(conn: sa.Connection, job: repo.FileJob, kind: str, subject: st
 
 @dataclass(frozen=True)
 class TickReport:
-    requeued: list[repo.Requeued] = field(default_factory=list)
+    due_rows: int = 0
     forced_n2: list[UUID] = field(default_factory=list)
     duration_ms: float = 0.0
 
-    @property
-    def rows(self) -> int:
-        return len(self.requeued)
-
-    @property
-    def artifacts(self) -> int:
-        return sum(r.artifacts for r in self.requeued)
-
     def describe(self) -> str:
-        text = (f"requeued {self.rows} rows ({self.artifacts} artifacts) as EVIDENCE_ATTACH_RETRY outbox events "
-                f"in {self.duration_ms:.0f} ms")
+        text = (f"{self.due_rows} rows due for their drain runs (the work queue is the retry schedule); "
+                f"tick took {self.duration_ms:.0f} ms")
         if self.forced_n2:
             text += f"; forced N2 for {len(self.forced_n2)} file jobs past the deadline"
         return text
 
 
-def schedule_retries(engine: sa.Engine, *, now: datetime, batch_rows: int, scan_artifacts: int,
-                     n2_timeout: timedelta, n2_marks_permanent: bool, monotonic: Callable[[], float],
-                     after_lock: Callable[[list[UUID]], None] | None = None) -> TickReport:
-    """One tick of the 004 §3 retry scheduler. The requeue is one transaction (events and the
-    artifacts' retry fields together); the tick is recorded as the scheduler's heartbeat."""
+def scheduler_tick(engine: sa.Engine, *, now: datetime, n2_timeout: timedelta, n2_marks_permanent: bool,
+                   monotonic: Callable[[], float]) -> TickReport:
+    """What is left of the 004 §3 scheduler once retries are due times on work rows: force N2 at the
+    deadline, and record the tick (the heartbeat §6 watches) with the rows due now."""
     started = monotonic()
-    with engine.begin() as conn:
-        requeued = repo.requeue_due(conn, now=now, rows=batch_rows, scan=scan_artifacts, after_lock=after_lock)
     forced = force_overdue_n2(engine, now=now, timeout=n2_timeout, mark_permanent=n2_marks_permanent)
-    report = TickReport(requeued, forced, (monotonic() - started) * 1000)
+    with engine.connect() as conn:
+        due = work.backlog(conn, PIPELINE, now).due
+    report = TickReport(due, forced, (monotonic() - started) * 1000)
     with engine.begin() as conn:
-        repo.record_tick(conn, started_at=now, duration_ms=report.duration_ms, rows=report.rows,
-                         artifacts=report.artifacts, n2_forced=len(forced), batch_limit=batch_rows)
+        repo.record_tick(conn, started_at=now, duration_ms=report.duration_ms, rows=due, artifacts=0,
+                         n2_forced=len(forced), batch_limit=0)
     return report
 
 
@@ -125,7 +117,9 @@ def force_overdue_n2(engine: sa.Engine, *, now: datetime, timeout: timedelta, ma
     """004 §5 timeout safeguard: N2 `timeout` after N1, closing what is still retryable first.
 
     Rows are locked without waiting (SKIP LOCKED); a file job one of whose rows a worker holds is
-    left for the next tick, so a forced close never races an attempt in flight.
+    left for the next tick, so a forced close never races an attempt in flight. The rows it touched
+    fall due now, so a drain run of the file job settles them (dead letters through the core) and
+    sends N2.
     """
     forced: list[UUID] = []
     with engine.begin() as conn:
@@ -133,24 +127,15 @@ def force_overdue_n2(engine: sa.Engine, *, now: datetime, timeout: timedelta, ma
             with conn.begin_nested():
                 if repo.lock_all_rows(conn, job.id) is None:
                     continue
+                still_open = repo.open_rows(conn, job.id)
                 closed = repo.close_open_artifacts(conn, job.id, now) if mark_permanent else []
                 rows = sorted(set(closed), key=str)
                 for row in rows:
                     repo.refresh_row(conn, job.id, row, now)
                 if request_notifications(conn, job.id, now, forced=ForcedClose(rows, len(closed))):
                     forced.append(job.id)
+                work.poke(conn, PIPELINE, [policy.row_entity(job.id, r) for r in still_open], now=now)
     return forced
-
-
-# ------------------------------------------------------------------------------------- publisher
-
-
-def publish(engine: sa.Engine, *, now: datetime, limit: int, republish_after: timedelta,
-            max_attempts: int) -> repo.PublishClaim:
-    """Claim what the outbox publisher turns into work this tick (PENDING → PUBLISHED)."""
-    with engine.begin() as conn:
-        return repo.claim_for_publish(conn, now=now, limit=limit, republish_after=republish_after,
-                                      max_attempts=max_attempts)
 
 
 # ---------------------------------------------------------------------------------- monitor (§6)

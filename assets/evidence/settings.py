@@ -43,19 +43,8 @@ class EvidenceSettings(BaseSettings):
     # --- 004 §3 retry policy ------------------------------------------------------------------------
     max_attempts: int = Field(default=3, ge=1, description="Attempts per artifact, initial + retries (004: 3).")
 
-    # --- 004 §3 scheduler -----------------------------------------------------------------------------
-    scheduler_batch_rows: int = Field(default=200, ge=1, description="Rows requeued per scheduler tick at most.")
-    scheduler_scan_artifacts: int = Field(default=1000, ge=1,
-                                          description="Due artifacts read per tick to find those rows.")
+    # --- 004 §3 scheduler (retries are due times on the core's work queue; this tick forces N2) ---------
     scheduler_interval_seconds: int = Field(default=60, ge=1)
-
-    # --- outbox publisher -------------------------------------------------------------------------
-    publisher_batch: int = Field(default=200, ge=1, description="Outbox events turned into runs per tick.")
-    publisher_interval_seconds: int = Field(default=15, ge=1)
-    republish_after_seconds: float = Field(default=1800.0,
-                                           description="A published event not consumed by then is published again.")
-    max_publish_attempts: int = Field(default=3, ge=1,
-                                      description="Publications of one event before it is marked FAILED and alerted.")
 
     # --- 004 §5 notifications -------------------------------------------------------------------------
     n2_timeout_hours: float = Field(default=24.0, description="N2 is forced this long after N1 (not time-scaled).")
@@ -63,7 +52,7 @@ class EvidenceSettings(BaseSettings):
                                            description="A forced N2 marks the retryables still open PERMANENT_FAILED.")
 
     # --- 004 §6 monitoring --------------------------------------------------------------------------------
-    monitor_cron: str = Field(default="*/5 * * * *")
+    monitor_interval_seconds: int = Field(default=300, ge=30, description="How often the metrics sensor snapshots §6.")
     alert_permanent_rate: float = Field(default=0.10, description="Alert above this share of final failures in the window.")
     alert_permanent_window_seconds: float = Field(default=3600.0)
     alert_permanent_min_sample: int = Field(

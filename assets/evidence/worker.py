@@ -2,10 +2,11 @@
 evidence through the case API (004 §4, Option A), and send N1/N2 (§5). Dagster-free; ops call it.
 
 Per-artifact failures are data, not exceptions: each is classified by the core (`EVIDENCE`
-vocabulary), decided by the core's budget with `EVIDENCE_BACKOFF`, and written to the artifact;
-the next retry is its `next_retry_at`, which the scheduler sensor turns into an outbox event, so a
-60-minute wait never holds a run. Only what stops the whole row (the database, a bug) is raised,
-for the stage runner to retry the run step or dead-letter it.
+vocabulary), decided by the core's budget with `EVIDENCE_BACKOFF`, and written to the artifact.
+A row is one entity of the core's work queue (grouped by file job) and `row_handler` is how the
+core's drain works it: a row with retries left falls due again at its next `next_retry_at` (its
+retry event written in that transaction), so a 60-minute wait never holds a run; a row that ends
+with failures an operator can act on is dead-lettered by the drain, like any drained entity.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import logging
 import posixpath
 import tempfile
 import zipfile
-from collections.abc import Iterable
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import IO, Any
 from uuid import UUID
 
@@ -26,7 +27,7 @@ import botocore.exceptions
 from assets.evidence import contracts, policy, service
 from assets.evidence import repository as repo
 from assets.evidence.settings import EvidenceOptions
-from redrive.deadletters import FinalFailure
+from redrive.drain import Attempt, Handler
 from redrive.failures import Code, Failure, PermanentError, classify_exception
 from redrive.reliability import Reliability
 from redrive.sanitize import sanitize_text
@@ -63,7 +64,7 @@ class RowResult:
     results: list[contracts.EvidenceArtifactResult] = field(default_factory=list)
     status: str = ""
     settled: bool = False
-    dead_letter_id: int | None = None
+    summary: repo.RowSummary | None = None
     notifications: list[str] = field(default_factory=list)
     skipped: str | None = None
 
@@ -77,7 +78,6 @@ class RowResult:
             "failed_retryable": sum(1 for r in self.results if r.status == policy.FAILED and not r.final),
             "failed_final": sum(1 for r in self.results if r.status == policy.FAILED and r.final),
             "row_evidence_status": self.status, "row_settled": self.settled,
-            "dead_letter_id": self.dead_letter_id if self.dead_letter_id is not None else "-",
             "notifications_requested": ",".join(self.notifications) or "-",
             "skipped": self.skipped or "-",
         }
@@ -133,12 +133,9 @@ class AttachWorker:
             self._flush(pending)
             now = self.runtime.now()
             summary = repo.refresh_row(lock_conn, job_id, row_id, now)
-            if event_id is not None:
-                repo.mark_consumed(lock_conn, event_id, now)
+            repo.consume_row_events(lock_conn, job_id, row_id, now)
             result.notifications = service.request_notifications(lock_conn, job_id, now)
-        result.status, result.settled = summary.status, summary.settled
-        if summary.settled and (plan or mode == "replay"):
-            result.dead_letter_id = dead_letter_row(self.runtime, summary, run_id=self.run_id)
+        result.status, result.settled, result.summary = summary.status, summary.settled, summary
         return result
 
     def _attempt(self, planned: policy.PlannedAttempt, *, last: bool) -> policy.AttemptOutcome:
@@ -180,7 +177,10 @@ class AttachWorker:
                 replay: bool) -> tuple[policy.ArtifactWrite, contracts.EvidenceArtifactResult]:
         now = self.runtime.now()
         a = planned.artifact
-        write = policy.decide_write(planned, outcome, now=now, rng=self.runtime.rng_for(f"evidence:{a.id}:{planned.attempt}"),
+        # Jitter per file job and attempt: a file job's failures of one pass fall due together, so each
+        # retry round of a file job is one drain run, while file jobs still spread apart.
+        rng = self.runtime.rng_for(f"evidence:{a.file_job_id}:{planned.attempt}")
+        write = policy.decide_write(planned, outcome, now=now, rng=rng,
                                     time_scale=self.runtime.time_scale, max_attempts=self.max_attempts, replay=replay)
         return write, contracts.EvidenceArtifactResult(
             artifact_id=a.id, file_job_id=a.file_job_id, file_job_row_id=a.file_job_row_id, case_id=a.case_id,
@@ -188,32 +188,65 @@ class AttachWorker:
             final=write.final, recovered_by_lookup=outcome.recovered_by_lookup, occurred_at=now)
 
 
-def dead_letter_row(runtime: Reliability, summary: repo.RowSummary, *, run_id: str | None) -> int | None:
-    """A settled row with final failures an operator can act on gets one dead letter (and one alert);
-    a settled row without them closes a replayed letter. DATA failures go to N2, not here."""
-    entity = policy.row_entity(summary.file_job_id, summary.row_id)
+def row_final_failure(summary: repo.RowSummary) -> Failure | None:
+    """What a settled row's dead letter says, or None when the row needs no operator (all attached, or
+    only DATA failures, which N2 reports to the merchant and no replay could fix)."""
     final = [f for f in summary.failed if f.final]
     code = policy.row_final_code([f.error_code for f in final])
     if code is None:
-        runtime.succeeded(service.PIPELINE, entity)
         return None
     top, count = code
-    failure = Failure(
+    return Failure(
         code=top, retryable=False, retry_after=None,
         message=f"{len(final)} of {summary.counts.total} evidence files of case {summary.case_ref} failed for good "
                 f"({top}×{count})",
         detail=sanitize_text("; ".join(f"{f.file_name}: {f.error_code}" for f in final))[:2000],
     )
-    recorded = runtime.fail_for_good(FinalFailure(
-        pipeline=service.PIPELINE, stage="attach", entity_ref=entity, failure=failure,
-        attempts=summary.max_attempts, at=runtime.now(),
-        context={"file_job_id": str(summary.file_job_id), "row_id": str(summary.row_id),
-                 "case_ref": summary.case_ref,
-                 "failed": {str(f.artifact_id): f.error_code for f in final}},
-        payload_ref={"table": "file_job_row", "id": str(summary.row_id), "file_job_id": str(summary.file_job_id)},
-        stage_attempts={"attach": summary.max_attempts}, run_id=run_id,
-    ))
-    return recorded.dead_letter.id
+
+
+def row_handler(runtime: Reliability, case_api: CaseApiClient, *, max_attempts: int,
+                hooks: WorkerHooks | None = None, run_id: str | None = None) -> Handler:
+    """How the core's drain works one row (entity `<file job>/<row>`): attempt what is due, then settle.
+
+    - retryable failures left: the row is due again at its earliest `next_retry_at`, and its
+      EVIDENCE_ATTACH_RETRY event (004 §3) is written in the same transaction as that due time;
+    - settled with final failures an operator can act on: raised as permanent, so the drain writes
+      the dead letter, its alert and the work row's `dead` in one transaction;
+    - settled otherwise: done (a replayed letter is closed).
+    Whatever stops the whole row (the database, a bug) propagates and the drain retries the row under
+    `ATTACH_POLICY`; claims and lookups make that safe after a partial pass.
+    """
+    attach = AttachWorker(runtime, case_api, max_attempts=max_attempts, hooks=hooks, run_id=run_id)
+
+    def handle(attempt: Attempt) -> None:
+        job_id, row_id = policy.split_row_entity(attempt.entity_ref)
+        attempt.payload_ref = {"table": "file_job_row", "id": str(row_id), "file_job_id": str(job_id)}
+        attempt.context = {"file_job_id": str(job_id), "row_id": str(row_id)}
+        mode: policy.Mode = "replay" if attempt.replay_of is not None else "retry"
+        out = attempt.stage("attach", lambda: {"result": attach.process_row(job_id, row_id, mode=mode)},
+                            checkpoint=False)
+        result: RowResult = out["result"]
+        summary = result.summary
+        assert summary is not None
+        attempt.context.update(case_ref=summary.case_ref, evidence_status=summary.status)
+        if not summary.settled:
+            with runtime.engine.connect() as conn:
+                due = repo.next_retry_at(conn, job_id, row_id)
+            # nothing retryable dated (cannot happen by policy): look again in a minute rather than spin
+            attempt.due_again_at = max(due, runtime.now()) if due is not None else \
+                runtime.now() + timedelta(seconds=60 * runtime.time_scale)
+
+            def schedule(conn: Any) -> None:
+                repo.schedule_row_retry(conn, job_id, row_id, runtime.now())
+
+            attempt.on_success.append(schedule)
+            return
+        failure = row_final_failure(summary)
+        if failure is not None:
+            attempt.context["failed"] = {str(f.artifact_id): f.error_code for f in summary.failed if f.final}
+            raise PermanentError(failure)
+
+    return handle
 
 
 # ------------------------------------------------------------------------------------ notifications
@@ -259,15 +292,7 @@ class NotificationSender:
                                             token=note.idempotency_token)
                 repo.mark_notification_sent(conn, job.id, note.kind, message_id, self.runtime.now())
             repo.mark_consumed(conn, event_id, self.runtime.now())
-        if note.kind == "N2" and note.closed_rows:
-            self._dead_letter_forced(note.file_job_id, note.closed_rows)
         return Sent(note.kind, message_id or "", already)
-
-    def _dead_letter_forced(self, job_id: UUID, rows: Iterable[UUID]) -> None:
-        for row in rows:
-            with self.runtime.engine.begin() as conn:
-                summary = repo.refresh_row(conn, job_id, row, self.runtime.now())
-            dead_letter_row(self.runtime, summary, run_id=self.run_id)
 
 
 # -------------------------------------------------------------------------------------------- ingest

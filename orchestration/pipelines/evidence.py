@@ -1,4 +1,4 @@
-"""What the evidence pipeline adds to the code location."""
+"""What the evidence pipeline adds to the code location: one job per file job, its sensors, resources."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from orchestration.registry import PipelineDefs
 from redrive.settings import Settings
 from resources.evidence import CaseApiResource, MerchantMailResource
 from resources.factory import secret
-from sensors.core import ReplayTarget
-from sensors.evidence import inbox_sensor, outbox_publisher_sensor, retry_scheduler_sensor
+from sensors.core import ReplayTarget, due_work_sensor
+from sensors.evidence import inbox_sensor, metrics_sensor, retry_scheduler_sensor
 
 
 def pipeline_defs(settings: Settings) -> PipelineDefs:
@@ -20,12 +20,11 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
     return PipelineDefs(
         name=pipeline.PIPELINE,
         assets=[pipeline.evidence_metrics],
-        jobs=[pipeline.evidence_file_job, pipeline.evidence_attach_job, pipeline.evidence_metrics_job],
-        schedules=[dg.ScheduleDefinition(name="evidence_metrics_schedule", job=pipeline.evidence_metrics_job,
-                                         cron_schedule=evidence.monitor_cron,
-                                         default_status=dg.DefaultScheduleStatus.RUNNING)],
-        sensors=[inbox_sensor(evidence, settings.redrive_bucket), outbox_publisher_sensor(evidence),
-                 retry_scheduler_sensor(evidence)],
+        jobs=[pipeline.evidence_file_job],
+        sensors=[inbox_sensor(evidence, settings.redrive_bucket),
+                 # rows are the core's work items grouped by file job: one run per file job and retry round
+                 due_work_sensor(pipeline.PIPELINE, pipeline.evidence_file_job, by_partition=True),
+                 retry_scheduler_sensor(evidence), metrics_sensor(evidence)],
         resources={
             "case_api": CaseApiResource(base_url=settings.case_url or "http://127.0.0.1:9/case/v1",
                                         token=secret("CASE_API_TOKEN", settings.case_api_token),
@@ -37,10 +36,11 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
             "evidence_hooks": dg.ResourceDefinition.hardcoded_resource(WorkerHooks(), "no-op test seam of the worker"),
         },
         failed_for_good={pipeline.PIPELINE: repository.failed_for_good},
+        # Rows (pipeline `evidence`) are drained: their replays and retries are work rows falling due.
+        # File jobs (ingest, notifications) still replay as a run of their partition.
         replay_targets={
-            pipeline.PIPELINE: ReplayTarget(job=pipeline.evidence_attach_job, run_config=pipeline.attach_run_config,
-                                            partition_key=policy.partition_of),
             pipeline.FILE_JOBS: ReplayTarget(job=pipeline.evidence_file_job, run_config=pipeline.file_job_run_config,
                                              partition_key=policy.partition_of),
         },
+        drained=[pipeline.PIPELINE],
     )

@@ -86,6 +86,21 @@ def mail(settings):
 
 
 @pytest.fixture
+def drain(runtime, case_api):
+    """One drain pass over a file job's due rows, as its run does (no linger: the test moves the clock)."""
+    from assets.evidence.pipeline import PIPELINE, ROW_POLICIES
+    from assets.evidence.worker import row_handler
+    from redrive.drain import Drain
+
+    def run(job, *, hooks=None, api=None):
+        handle = row_handler(runtime, api or case_api, max_attempts=3, hooks=hooks)
+        return Drain(reliability=runtime, pipeline=PIPELINE, policies=ROW_POLICIES, owner="test",
+                     linger_seconds=0).run(handle, group_key=str(job))
+
+    return run
+
+
+@pytest.fixture
 def seed_job(engine, clock):
     """Record an ingested file job straight from a generated ZIP (no S3 needed: the case API reads the key)."""
     from assets.evidence import policy

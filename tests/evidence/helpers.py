@@ -81,7 +81,8 @@ class Driver:
         self.cursors[sensor_name] = tick.cursor
         return tick.run_requests
 
-    def launch(self, request: dg.RunRequest, job_name: str | None = None) -> dg.ExecuteInProcessResult | None:
+    def launch(self, request: dg.RunRequest, job_name: str | None = None,
+               op_selection: list[str] | None = None) -> dg.ExecuteInProcessResult | None:
         if request.run_key and self.instance.get_runs(filters=dg.RunsFilter(tags={"dagster/run_key": request.run_key})):
             return None
         job = self.defs.resolve_job_def(request.job_name or job_name)
@@ -89,7 +90,7 @@ class Driver:
         quiet = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
         result = job.execute_in_process(run_config={**quiet, **(request.run_config or {})}, instance=self.instance,
                                         tags=tags, partition_key=request.partition_key, raise_on_error=False,
-                                        resources=dict(self.resources) or None)
+                                        resources=dict(self.resources) or None, op_selection=op_selection)
         self.launched.append(result)
         return result
 

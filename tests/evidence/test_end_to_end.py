@@ -22,14 +22,14 @@ PERMANENT_CODES = {"CASE_NOT_FOUND", "INVALID_FORMAT"}
 
 
 def drive_until_quiet(driver: Driver, engine: sa.Engine, max_rounds: int = 12) -> int:
-    """What the daemon does: tick the publisher (launching its runs) and the scheduler, until the outbox is
-    drained and no artifact is in flight. Backoff × 0 makes every retry due at the next scheduler tick."""
+    """What the daemon does: tick the due-work sensor (launching its runs) and the scheduler, until the outbox
+    is drained and no artifact is in flight. Backoff × 0 makes every retry due at once."""
     for rounds in range(1, max_rounds + 1):
         t0 = time.monotonic()
-        runs = driver.tick_and_launch("evidence_outbox_publisher")
+        runs = driver.tick_and_launch("evidence_due_work")
         print(f"round {rounds}: {len(runs)} runs in {time.monotonic() - t0:.1f}s", flush=True)
         assert all(r.success for r in runs), [r.run_id for r in runs if not r.success]
-        assert driver.tick("evidence_retry_scheduler") == []  # it writes outbox events, it requests no run
+        assert driver.tick("evidence_retry_scheduler") == []  # it forces N2 at the deadline, it requests no run
         with engine.connect() as conn:
             open_events = conn.execute(sa.select(sa.func.count()).where(
                 repo.evidence_outbox.c.status.in_(("PENDING", "PUBLISHED")))).scalar()
@@ -49,11 +49,12 @@ def test_thousand_artifacts_with_faults_end_attached_or_failed_for_good(driver, 
     data, _ = standard_job("e2e", rows=10, per_row=100)
     put_zip(s3, bucket, f"{inbox}e2e.zip", data)
     [ingest] = driver.tick("evidence_inbox")
+    # before the ingest run: its drain makes the first pass (the faults apply to it as to the retries)
+    sandbox.random_faults("case.attach", seed=20_260_302, rates=FAULTS, timeout_seconds=0)
     t0 = time.monotonic()
     assert driver.launch(ingest).success
     print(f"ingest {time.monotonic() - t0:.1f}s", flush=True)
     job = ingest.partition_key
-    sandbox.random_faults("case.attach", seed=20_260_302, rates=FAULTS, timeout_seconds=0)
 
     rounds = drive_until_quiet(driver, engine)
 

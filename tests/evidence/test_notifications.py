@@ -19,9 +19,8 @@ def evidence_mails(sandbox) -> list[dict]:
 
 
 def tick(runtime, *, timeout_hours: float = 24):
-    return service.schedule_retries(runtime.engine, now=runtime.now(), batch_rows=200, scan_artifacts=1000,
-                                    n2_timeout=timedelta(hours=timeout_hours), n2_marks_permanent=True,
-                                    monotonic=runtime.clock.monotonic)
+    return service.scheduler_tick(runtime.engine, now=runtime.now(), n2_timeout=timedelta(hours=timeout_hours),
+                                  n2_marks_permanent=True, monotonic=runtime.clock.monotonic)
 
 
 def job_row(engine, job):
@@ -30,7 +29,7 @@ def job_row(engine, job):
 
 
 def test_n1_after_first_pass_n2_after_retries_each_sent_once(runtime, clock, case_api, mail, seed_job, engine,
-                                                            sandbox) -> None:
+                                                            sandbox, drain) -> None:
     """N1 goes when every artifact had its attempt, N2 when the retry settled; sending again sends nothing."""
     job, events, _ = seed_job("n", rows=2, per_row=2)
     sandbox.script("case.attach", {"status": 503})
@@ -44,8 +43,7 @@ def test_n1_after_first_pass_n2_after_retries_each_sent_once(runtime, clock, cas
     assert sender.send_pending(job) == [] and job_row(engine, job).n1_sent_at is not None
 
     clock.advance(3600)
-    [requeued] = tick(runtime).requeued
-    worker.process_event(requeued.event_id)
+    assert drain(job).claimed == 2  # the retry's row, and the attached row settling as done
     [n2] = sender.send_pending(job)
     assert n2.kind == "N2"
     assert sender.send_pending(job) == []
@@ -96,16 +94,15 @@ def test_mark_failure_after_send_does_not_send_twice(runtime, case_api, mail, se
 
 
 def test_n2_is_forced_24h_after_n1_and_closes_open_retries(runtime, clock, case_api, mail, seed_job, engine,
-                                                           sandbox) -> None:
+                                                           sandbox, drain) -> None:
     """A retry stuck in flight: at the deadline (not before, and not while a worker holds the row) the open
     artifact becomes PERMANENT_FAILED, N2 goes out saying so, and the row is dead-lettered once."""
     job, [event], [row] = seed_job("late", per_row=2)
     sandbox.script("case.attach", {"status": 503})
-    AttachWorker(runtime, case_api, max_attempts=3).process_event(event)
+    drain(job)
     sender = NotificationSender(runtime, mail)
     [n1] = sender.send_pending(job)
-    clock.advance(600)
-    [stuck] = tick(runtime).requeued  # its run never happens: the artifact stays RETRY_SCHEDULED
+    clock.advance(600)  # the retry is due, but its run never happens: the artifact stays in flight
     clock.advance(timedelta(hours=24).total_seconds() - 601)
     assert tick(runtime).forced_n2 == []
     clock.advance(1)
@@ -123,10 +120,11 @@ def test_n2_is_forced_24h_after_n1_and_closes_open_retries(runtime, clock, case_
     assert sent.kind == "N2" and job_row(engine, job).n2_forced
     mail_n2 = evidence_mails(sandbox)[-1]
     assert mail_n2["idempotency_token"] == f"evidence:{job}:N2"
+    assert drain(job).dead_lettered == 1  # the forced close made the row due: its pass dead-letters it
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT error_class FROM dead_letters")).scalars().all() == ["503"]
     assert tick(runtime).forced_n2 == []  # never twice
-    late = AttachWorker(runtime, case_api, max_attempts=3).process_event(stuck.event_id)
+    late = AttachWorker(runtime, case_api, max_attempts=3).process_row(job, row, mode="retry")
     assert late.results == []  # the stale retry finds the artifact closed and attaches nothing
     assert sandbox.count("case.attach") == 1
 

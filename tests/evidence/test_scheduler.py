@@ -1,174 +1,137 @@
-"""The retry scheduler (004 §3) on real Postgres: what it selects, its batch limit, its single
-transaction, and two ticks at once requeueing each row exactly once."""
+"""The retry schedule (004 §3) as due times on the core's work queue, on real Postgres: one retry round
+per file job, permanent codes never scheduled, the retry event and the due time in one transaction,
+and two drains of one file job at once working each row once."""
 
 from __future__ import annotations
 
 import threading
-import uuid
 from collections import Counter
-from datetime import UTC, datetime, timedelta
 
-import pytest
 import sqlalchemy as sa
 
 from assets.evidence import repository as repo
-from assets.evidence import service
-from bench.evidence import populate
+from redrive.schema import work_items
 
-NOW = datetime(2026, 3, 2, 12, 0, tzinfo=UTC)
-A, R, O = repo.file_job_artifact, repo.file_job_row, repo.evidence_outbox
+A, R, O, W = repo.file_job_artifact, repo.file_job_row, repo.evidence_outbox, work_items
 
 
-def tick(engine, *, rows: int = 200, scan: int = 1000, after_lock=None, now: datetime = NOW) -> service.TickReport:
-    return service.schedule_retries(engine, now=now, batch_rows=rows, scan_artifacts=scan,
-                                    n2_timeout=timedelta(hours=24), n2_marks_permanent=True,
-                                    monotonic=lambda: 0.0, after_lock=after_lock)
-
-
-def row_with(conn, job, line: int, status: str, artifacts: list[dict]) -> uuid.UUID:
-    rid = uuid.uuid4()
-    conn.execute(sa.insert(R).values(id=rid, file_job_id=job, line_no=line, case_ref=f"c{line}", case_id=uuid.uuid4(),
-                                     evidence_status=status))
-    for i, a in enumerate(artifacts):
-        conn.execute(sa.insert(A).values(id=uuid.uuid4(), file_job_id=job, file_job_row_id=rid,
-                                         case_id=uuid.uuid4(), file_name=f"f{i}.pdf", s3_key=f"s3://b/{rid}/{i}", **a))
-    return rid
-
-
-def due(code: str = "503", retry_count: int = 0, minutes: float = -1) -> dict:
-    return dict(attachment_status="FAILED", attachment_error_code=code, attempt_count=retry_count + 1,
-                retry_count=retry_count, retry_status="RETRY_FAILED", next_retry_at=NOW + timedelta(minutes=minutes))
-
-
-ATTACHED = dict(attachment_status="ATTACHED", attempt_count=1)
-
-
-def test_selects_failed_rows_with_due_retryable_artifacts_only(engine) -> None:
-    """Requeued: due NETWORK/SYSTEM failures with retries left, in PARTIALLY_FAILED/FAILED rows. Not:
-    future ones, permanent codes (DATA, AUTH), spent budgets, final or attached ones, other rows."""
-    job = uuid.uuid4()
-    with engine.begin() as conn:
-        conn.execute(sa.insert(repo.file_job).values(id=job, source_bucket="b", source_key="k", source_etag="e",
-                                                     notify_to="m@example.com"))
-        want = {
-            row_with(conn, job, 2, "PARTIALLY_FAILED", [due("503"), ATTACHED, due("500", minutes=30)]),
-            row_with(conn, job, 3, "FAILED", [due("SYSTEM_ERROR", retry_count=1)]),
-            row_with(conn, job, 4, "FAILED", [due("NETWORK_TIMEOUT"), due("CASE_NOT_FOUND")]),
-        }
-        skip = [
-            row_with(conn, job, 5, "PARTIALLY_FAILED", [due("503", minutes=10), ATTACHED]),
-            row_with(conn, job, 6, "FAILED", [due("CORRUPTED_FILE"), due("INVALID_FORMAT"), due("S3_NOT_FOUND")]),
-            row_with(conn, job, 7, "FAILED", [due("CASE_NOT_FOUND"), due("UNAUTHORIZED"), due("401")]),
-            row_with(conn, job, 8, "FAILED", [due("503", retry_count=2)]),
-            row_with(conn, job, 9, "FAILED", [{**due("503"), "retry_status": "PERMANENT_FAILED"}]),
-            row_with(conn, job, 10, "COMPLETED", [due("503")]),  # inconsistent on purpose: rows gate too
-        ]
-    report = tick(engine)
-    assert {r.row_id for r in report.requeued} == want and not set(skip) & {r.row_id for r in report.requeued}
+def work_rows(engine, job) -> list:
     with engine.connect() as conn:
-        scheduled = conn.execute(sa.select(A.c.file_job_row_id, A.c.attachment_error_code, A.c.last_retry_at)
-                                 .where(A.c.retry_status == "RETRY_SCHEDULED")).all()
-        events = conn.execute(sa.select(O).where(O.c.event_type == "EVIDENCE_ATTACH_RETRY")).all()
-    assert sorted(s.attachment_error_code for s in scheduled) == ["503", "NETWORK_TIMEOUT", "SYSTEM_ERROR"]
-    assert {s.last_retry_at for s in scheduled} == {NOW}
-    assert sorted(len(e.payload["artifacts"]) for e in events) == [1, 2, 3]  # Option A: the whole row
-    assert {e.topic for e in events} == {"evidence.failed.requests"} and {e.status for e in events} == {"PENDING"}
-    assert tick(engine).rows == 0  # nothing is due twice
+        return conn.execute(sa.select(W).where(W.c.pipeline == "evidence", W.c.group_key == str(job))
+                            .order_by(W.c.entity_ref)).all()
 
 
-def test_at_most_the_batch_per_tick(engine) -> None:
-    """250 due rows with a batch of 200: 200, then 50, then none; the tick is the scheduler's heartbeat."""
-    with engine.begin() as conn:
-        populate(conn, tag="t", artifacts=1250, due=250, per_row=10, now=NOW)
-    assert [tick(engine).rows for _ in range(3)] == [200, 50, 0]
+def test_ingest_enqueues_one_due_work_row_per_attachable_row(engine, seed_job, clock) -> None:
+    """Ingest writes, with the rows, one due work item per row that has something to attach, grouped by
+    its file job; a malformed row has none."""
+    from tests.evidence.helpers import case_uuid, make_zip, pdf
+
+    data = make_zip([[case_uuid("q", 1), "a.pdf"], ["not-a-uuid", "b.pdf"], [case_uuid("q", 2), "c.pdf"]],
+                    {"a.pdf": pdf("a"), "b.pdf": pdf("b"), "c.pdf": pdf("c")})
+    job, events, rows = seed_job("q", data=data)
+    assert len(rows) == 2
+    items = work_rows(engine, job)
+    assert {i.entity_ref for i in items} == {f"{job}/{r}" for r in rows}
+    assert {(i.status, i.due_at) for i in items} == {("due", clock.now())}
+
+
+def test_a_file_jobs_failures_fall_due_together_with_their_retry_events(engine, seed_job, drain, clock,
+                                                                        sandbox) -> None:
+    """A pass over 40 rows with 30 % transient faults: every row with a retry left is due again at one time
+    (the retry round of the file job, 5 min ± 20 %), equal to its artifacts' next_retry_at, and has exactly
+    one EVIDENCE_ATTACH_RETRY event naming all its artifacts; finished rows are done."""
+    job, _, _ = seed_job("round", rows=40, per_row=2)
+    sandbox.random_faults("case.attach", seed=7, rates={"503": 0.3})
+    report = drain(job)
+    assert report.claimed == 40 and report.retried > 0 and report.done > 0
+    items = work_rows(engine, job)
+    waiting = [i for i in items if i.status == "due"]
+    assert len(waiting) == report.retried and sum(i.status == "done" for i in items) == report.done
+    due_times = {i.due_at for i in waiting}
+    assert len(due_times) == 1
+    [due_at] = due_times
+    assert 4 * 60 <= (due_at - clock.now()).total_seconds() <= 6 * 60
     with engine.connect() as conn:
-        ticks = conn.execute(sa.select(repo.evidence_scheduler_ticks.c.rows_requeued)
-                             .order_by(repo.evidence_scheduler_ticks.c.id)).scalars().all()
-        assert ticks == [200, 50, 0]
-        assert conn.execute(sa.select(sa.func.count()).select_from(O)).scalar() == 250
+        next_retry = set(conn.execute(sa.select(A.c.next_retry_at).where(A.c.file_job_id == job,
+                                                                         A.c.retry_status == "RETRY_FAILED"))
+                         .scalars())
+        events = conn.execute(sa.select(O).where(O.c.file_job_id == job, O.c.event_type == "EVIDENCE_ATTACH_RETRY")).all()
+    assert next_retry == {due_at}
+    assert Counter(str(e.file_job_row_id) for e in events) == Counter(i.entity_ref.split("/")[1] for i in waiting)
+    assert all(len(e.payload["artifacts"]) == 2 for e in events)
+    assert drain(job).claimed == 0  # nothing is due before its time
 
 
-def test_events_and_retry_fields_commit_together(engine, monkeypatch) -> None:
-    """If writing the outbox events fails, no artifact is left RETRY_SCHEDULED: one transaction."""
-    with engine.begin() as conn:
-        populate(conn, tag="t", artifacts=30, due=10, per_row=10, now=NOW)
+def test_permanent_codes_are_never_scheduled(engine, seed_job, drain, clock, sandbox) -> None:
+    """CASE_NOT_FOUND and a file the archive lacks (S3_NOT_FOUND) are final at once: no retry event, no due
+    time; the row with an operational failure is dead, the DATA-only row done."""
+    from tests.evidence.helpers import case_uuid, make_zip, pdf
+
+    gone, fine = case_uuid("p", 1), case_uuid("p", 2)
+    data = make_zip([[gone, "a.pdf"], [fine, "b.pdf;missing.pdf"]], {"a.pdf": pdf("a"), "b.pdf": pdf("b")})
+    job, _, rows = seed_job("p", data=data)
+    sandbox.mark_cases_missing(gone)
+    report = drain(job)
+    assert (report.dead_lettered, report.done, report.retried) == (1, 1, 0)
+    assert sorted(i.status for i in work_rows(engine, job)) == ["dead", "done"]
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).where(O.c.event_type == "EVIDENCE_ATTACH_RETRY")).scalar() == 0
+    clock.advance(7200)
+    assert drain(job).claimed == 0
+
+
+def test_retry_event_and_due_time_commit_together(engine, seed_job, drain, clock, sandbox, monkeypatch) -> None:
+    """If writing the retry event fails, the row is not rescheduled either (its lease stands and runs out);
+    the next pass after the lease settles both."""
+    job, _, [row] = seed_job("tx", per_row=1)
+    sandbox.script("case.attach", {"status": 503}, {"status": 503})  # the second, if the retry is due by then
+    real = repo.schedule_row_retry
 
     def broken(*args, **kwargs):
         raise RuntimeError("outbox insert failed")
 
-    monkeypatch.setattr(repo, "_event_values", broken)
-    with pytest.raises(RuntimeError):
-        tick(engine)
+    monkeypatch.setattr(repo, "schedule_row_retry", broken)
+    report = drain(job)
+    assert report.retried == 0 and report.errors == {"unsettled": 1}
+    [item] = work_rows(engine, job)
+    assert item.status == "leased"
     with engine.connect() as conn:
-        assert conn.execute(sa.select(sa.func.count()).where(A.c.retry_status == "RETRY_SCHEDULED")).scalar() == 0
-        assert conn.execute(sa.select(sa.func.max(R.c.retry_round))).scalar() == 0
-    monkeypatch.undo()
-    assert tick(engine).rows == 10
+        assert conn.execute(sa.select(sa.func.count()).where(O.c.event_type == "EVIDENCE_ATTACH_RETRY")).scalar() == 0
+        assert conn.execute(sa.select(R.c.retry_round)).scalar() == 0
+    monkeypatch.setattr(repo, "schedule_row_retry", real)
+    clock.advance(301)  # the lease ran out: the row is due again
+    assert drain(job).retried == 1
+    [item] = work_rows(engine, job)
+    with engine.connect() as conn:
+        [event] = conn.execute(sa.select(O).where(O.c.event_type == "EVIDENCE_ATTACH_RETRY")).all()
+        next_retry = conn.execute(sa.select(A.c.next_retry_at)).scalar()
+    assert item.status == "due" and item.due_at == next_retry > clock.now() and event.payload["retry_round"] == 1
 
 
-def test_two_ticks_at_once_requeue_each_row_once(engine) -> None:
-    """Two scheduler ticks started together (two deployments) on 300 due rows: every row gets exactly one
-    retry event and its artifact is scheduled once; SKIP LOCKED splits the rows between them."""
-    with engine.begin() as conn:
-        populate(conn, tag="t", artifacts=1500, due=300, per_row=10, now=NOW)
-    for _ in range(3):  # three rounds of racing pairs (the later rounds find what the first left)
-        barrier = threading.Barrier(2)
-        reports: list[service.TickReport] = []
-        errors: list[BaseException] = []
+def test_two_drains_of_one_file_job_work_each_row_once(engine, seed_job, drain, sandbox, settings) -> None:
+    """Two drain runs of one file job started together (a UI launch beside the sensor's run): SKIP LOCKED
+    splits the rows, every artifact is attached exactly once and every row is done."""
+    from resources.evidence import CaseApiResource
 
-        def run() -> None:
-            try:
+    job, _, _ = seed_job("two", rows=30, per_row=2)
+    drains = 2
+    barrier, reports, errors = threading.Barrier(drains), [], []
+
+    def run() -> None:
+        try:
+            with CaseApiResource(base_url=settings.case_url, token="t").session() as api:
                 barrier.wait()
-                reports.append(tick(engine, rows=200))
-            except BaseException as exc:  # noqa: BLE001 - surfaced below
-                errors.append(exc)
+                reports.append(drain(job, api=api))
+        except Exception as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
 
-        threads = [threading.Thread(target=run) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors
-    with engine.connect() as conn:
-        per_row = Counter(conn.execute(sa.select(O.c.file_job_row_id)).scalars())
-        rounds = conn.execute(sa.select(R.c.retry_round).where(R.c.evidence_status == "PARTIALLY_FAILED")).scalars().all()
-        scheduled = conn.execute(sa.select(sa.func.count()).where(A.c.retry_status == "RETRY_SCHEDULED")).scalar()
-    assert len(per_row) == 300 and set(per_row.values()) == {1}
-    assert Counter(rounds)[1] == 300 and scheduled == 300
-
-
-def test_a_tick_holding_rows_makes_the_other_skip_them(engine) -> None:
-    """Tick A has locked its rows and not committed; tick B, meanwhile, takes only the other rows."""
-    with engine.begin() as conn:
-        populate(conn, tag="t", artifacts=60, due=60, per_row=10, now=NOW)
-    locked, release = threading.Event(), threading.Event()
-    held: list[uuid.UUID] = []
-
-    def hold(rows: list[uuid.UUID]) -> None:
-        held.extend(rows)
-        locked.set()
-        assert release.wait(30)
-
-    first: list[service.TickReport] = []
-    a = threading.Thread(target=lambda: first.append(tick(engine, rows=25, after_lock=hold)))
-    a.start()
-    assert locked.wait(30)
-    second = tick(engine, rows=200)
-    release.set()
-    a.join(30)
-    assert len(held) == 25 and second.rows == 35
-    assert not {r.row_id for r in second.requeued} & set(held)
-    assert {r.row_id for r in first[0].requeued} == set(held)
-
-
-def test_selection_reads_the_due_rows_index(engine) -> None:
-    """EXPLAIN of the selection on a table mostly not due: the due-rows partial index drives it."""
-    with engine.begin() as conn:
-        populate(conn, tag="t", artifacts=20_000, due=100, per_row=10, now=NOW)
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(sa.text("ANALYZE file_job_artifact"))
-        conn.execute(sa.text("ANALYZE file_job_row"))
-        sql = str(repo.due_rows_query(NOW, rows=200, scan=1000).compile(engine, compile_kwargs={"literal_binds": True}))
-        plan = "\n".join(conn.execute(sa.text(f"EXPLAIN {sql}")).scalars())
-    assert "idx_artifact_retry" in plan, plan
-    assert "Seq Scan on file_job_artifact" not in plan, plan
+    threads = [threading.Thread(target=run) for _ in range(drains)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert sum(r.claimed for r in reports) == 30 and sum(r.done for r in reports) == 30, reports
+    keys = Counter(e["idempotency_key"] for e in sandbox.effects("case.attach"))
+    assert len(keys) == 60 and set(keys.values()) == {1}
+    assert {i.status for i in work_rows(engine, job)} == {"done"}

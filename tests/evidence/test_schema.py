@@ -70,3 +70,59 @@ def test_generated_error_category_matches_the_core_row_by_row(engine: sa.Engine)
                       repo.file_job_artifact.c.is_retryable))}
     assert len(got) == len(codes) * 3
     assert got == expected
+
+
+def test_migration_0202_puts_recorded_rows_on_the_work_queue(admin_url: str) -> None:
+    """Rows recorded before the drain get work items: in flight → due at their earliest retry, with an
+    unresolved dead letter → dead, finished → done; rows without artifacts get none."""
+    import os
+    from datetime import UTC, datetime, timedelta
+
+    from alembic import command
+
+    from devstack.postgres import create_database, drop_database, with_database
+    from redrive.db import alembic_config, engine_for
+
+    name = f"redrive_m0202_{os.getpid()}"
+    drop_database(admin_url, name)
+    create_database(admin_url, name)
+    url = with_database(admin_url, name)
+    try:
+        cfg = alembic_config(url)
+        command.upgrade(cfg, "0004")
+        command.upgrade(cfg, "0201")
+        engine = engine_for(url)
+        job, due_at = uuid.uuid4(), datetime(2026, 3, 2, 9, 5, tzinfo=UTC)
+        rows = {kind: uuid.uuid4() for kind in ("open", "dead", "done", "empty")}
+        with engine.begin() as conn:
+            conn.execute(sa.insert(repo.file_job).values(id=job, source_bucket="b", source_key="k", source_etag="e",
+                                                         notify_to="m@example.com"))
+            for line, (kind, row) in enumerate(rows.items(), start=2):
+                conn.execute(sa.insert(repo.file_job_row).values(id=row, file_job_id=job, line_no=line, case_ref=kind))
+
+            def art(row, **values):
+                conn.execute(sa.insert(repo.file_job_artifact).values(
+                    id=uuid.uuid4(), file_job_id=job, file_job_row_id=row, case_id=uuid.uuid4(), file_name="f.pdf",
+                    s3_key="s3://b/f", **values))
+            art(rows["open"], attachment_status="FAILED", attachment_error_code="503", retry_status="RETRY_FAILED",
+                next_retry_at=due_at, attempt_count=1)
+            art(rows["open"], attachment_status="FAILED", attachment_error_code="503", retry_status="RETRY_FAILED",
+                next_retry_at=due_at + timedelta(minutes=3), attempt_count=1)
+            art(rows["dead"], attachment_status="FAILED", attachment_error_code="CASE_NOT_FOUND",
+                retry_status="PERMANENT_FAILED", attempt_count=1)
+            art(rows["done"], attachment_status="ATTACHED", attempt_count=1)
+            conn.execute(sa.text(
+                "INSERT INTO dead_letters (pipeline, stage, entity_ref, error_class, error_message, retryable, attempts, "
+                "first_failure_at, last_failure_at, status) VALUES ('evidence', 'attach', :ref, 'CASE_NOT_FOUND', "
+                "'gone', false, 1, now(), now(), 'open')"),
+                {"ref": f"{job}/{rows['dead']}"})
+        command.upgrade(cfg, "0202")
+        with engine.connect() as conn:
+            got = {r.entity_ref.split("/")[1]: (r.status, r.group_key, r.due_at) for r in conn.execute(
+                sa.text("SELECT entity_ref, status, group_key, due_at FROM work_items WHERE pipeline = 'evidence'"))}
+        assert {k: v[0] for k, v in got.items()} == {str(rows["open"]): "due", str(rows["dead"]): "dead",
+                                                      str(rows["done"]): "done"}
+        assert got[str(rows["open"])][1:] == (str(job), due_at)
+        engine.dispose()
+    finally:
+        drop_database(admin_url, name)
