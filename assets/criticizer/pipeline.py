@@ -32,7 +32,7 @@ from assets.criticizer.policy import PIPELINE
 from redrive import checkpoints
 from redrive.deadletters import FROM_START
 from redrive.reliability import Reliability
-from redrive.stages import EntityRunFields, StagePolicy, Unit, checkpointed_stage, entity_run_config
+from redrive.stages import OP_RETRY_POLICY, EntityRunFields, StagePolicy, Unit, checkpointed_stage, entity_run_config, sanitized_body
 from redrive.vocabularies import CRITICIZER
 from resources.criticizer import CriticizerHttpResource
 from resources.llm import LlmResource
@@ -137,7 +137,8 @@ def _check_partition(context: dg.OpExecutionContext, request_id: str) -> None:
                          allow_retries=False)
 
 
-@dg.op(name=OPS["fetch"], out=dg.Out(dict, is_required=False))
+@dg.op(retry_policy=OP_RETRY_POLICY, name=OPS["fetch"], out=dg.Out(dict, is_required=False))
+@sanitized_body
 def fetch_op(context: dg.OpExecutionContext, config: CriticizerConfig, reliability: ReliabilityResource,
              criticizer_http: CriticizerHttpResource):
     """Download the artifact under review (a code-review or document store; the sandbox locally)."""
@@ -158,7 +159,8 @@ def fetch_op(context: dg.OpExecutionContext, config: CriticizerConfig, reliabili
                                           "source": "checkpoint" if reused else "store"})
 
 
-@dg.op(name=OPS["llm"], out=dg.Out(dict, is_required=False))
+@dg.op(retry_policy=OP_RETRY_POLICY, name=OPS["llm"], out=dg.Out(dict, is_required=False))
+@sanitized_body
 def llm_op(context: dg.OpExecutionContext, config: CriticizerConfig, reliability: ReliabilityResource,
            llm: LlmResource, fetched: dict):
     """Ask the LLM for a structured critique of the artifact against the rubric (validated with pydantic)."""
@@ -175,7 +177,8 @@ def llm_op(context: dg.OpExecutionContext, config: CriticizerConfig, reliability
                                           "source": "checkpoint" if reused else "llm"})
 
 
-@dg.op(name=OPS["notify"])
+@dg.op(retry_policy=OP_RETRY_POLICY, name=OPS["notify"])
+@sanitized_body
 def notify_op(context: dg.OpExecutionContext, config: CriticizerConfig, reliability: ReliabilityResource,
               criticizer_http: CriticizerHttpResource, critiqued: dict) -> None:
     """Post the critique to the request's webhook and to Slack; completing closes a replayed dead letter."""

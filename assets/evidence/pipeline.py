@@ -25,7 +25,7 @@ from assets.evidence import repository as repo
 from assets.evidence.settings import EvidenceOptions
 from redrive.backoff import FullJitter
 from redrive.failures import Code, Failure, PermanentError
-from redrive.stages import DeferredRetry, EntityRunFields, StagePolicy, Unit, entity_run_config, run_stage
+from redrive.stages import OP_RETRY_POLICY, DeferredRetry, EntityRunFields, StagePolicy, Unit, entity_run_config, run_stage, sanitized_body
 from redrive.vocabularies import EVIDENCE, EVIDENCE_S3
 from resources.evidence import CaseApiResource, MerchantMailResource
 from resources.reliability import ReliabilityResource
@@ -68,7 +68,8 @@ def _stage(context: dg.OpExecutionContext, runtime: Any, unit: Unit, stage: str,
         return None
 
 
-@dg.op(out=dg.Out(dict, is_required=False))
+@dg.op(retry_policy=OP_RETRY_POLICY, out=dg.Out(dict, is_required=False))
+@sanitized_body
 def ingest_file_job(context: dg.OpExecutionContext, config: FileJobConfig, reliability: ReliabilityResource,
                     s3: S3Resource, evidence_options: EvidenceOptions):
     """Validate the file job's ZIP (a manifest.csv row per dispute case naming its evidence files), extract
@@ -112,7 +113,8 @@ def ingest_file_job(context: dg.OpExecutionContext, config: FileJobConfig, relia
     )
 
 
-@dg.op
+@dg.op(retry_policy=OP_RETRY_POLICY)
+@sanitized_body
 def send_file_job_notifications(context: dg.OpExecutionContext, config: FileJobConfig,
                                 reliability: ReliabilityResource, merchant_mail: MerchantMailResource,
                                 ingested: dict) -> dict:
@@ -139,7 +141,8 @@ def evidence_file_job() -> None:
     send_file_job_notifications(ingest_file_job())
 
 
-@dg.op
+@dg.op(retry_policy=OP_RETRY_POLICY)
+@sanitized_body
 def attach_row_evidence(context: dg.OpExecutionContext, config: AttachConfig, reliability: ReliabilityResource,
                         case_api: CaseApiResource, evidence_options: EvidenceOptions,
                         evidence_hooks: dg.ResourceParam[worker.WorkerHooks]) -> dict:
@@ -189,7 +192,8 @@ def evidence_attach_job() -> None:
     attach_row_evidence()
 
 
-@dg.asset(group_name=GROUP, kinds={"postgres"})
+@dg.asset(retry_policy=OP_RETRY_POLICY, group_name=GROUP, kinds={"postgres"})
+@sanitized_body
 def evidence_metrics(context: dg.AssetExecutionContext, reliability: ReliabilityResource,
                      evidence_options: EvidenceOptions) -> dg.MaterializeResult:
     """004 §6 evidence attach metrics (first-attempt and retry success rates, retry queue depth, N1→N2 latency,
