@@ -12,6 +12,7 @@ from redrive.settings import Settings
 from resources.factory import build_resources
 from sensors.core import (
     alert_delivery_sensor,
+    asset_pipelines_of,
     dead_letter_replay_sensor,
     deferred_retry_sensor,
     run_failure_alert_sensor,
@@ -27,14 +28,15 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     resources = build_resources(settings)
     for p in pipelines:
         resources.update(p.resources)
+    assets = [stack_healthcheck, *[a for p in pipelines for a in p.assets]]
     return dg.Definitions(
-        assets=[stack_healthcheck, *[a for p in pipelines for a in p.assets]],
+        assets=assets,
         asset_checks=[c for p in pipelines for c in p.asset_checks],
         jobs=[healthcheck_job, *[j for p in pipelines for j in p.jobs]],
         schedules=[s for p in pipelines for s in p.schedules],
         sensors=[
             alert_delivery_sensor(),
-            run_failure_alert_sensor(),
+            run_failure_alert_sensor(asset_pipelines_of(a for a in assets if isinstance(a, dg.AssetsDefinition))),
             dead_letter_replay_sensor(replay_targets),
             *[deferred_retry_sensor(name, target) for name, target in replay_targets.items()],
             *[s for p in pipelines for s in p.sensors],

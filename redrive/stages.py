@@ -28,7 +28,7 @@ import dagster as dg
 from redrive.backoff import BackoffPolicy
 from redrive.budgets import RetryDecision, decide
 from redrive.deadletters import FinalFailure
-from redrive.failures import Failure, classify_exception
+from redrive.failures import Code, Failure, classify_exception
 from redrive.reliability import Reliability
 from redrive.sanitize import sanitize_exception, sanitize_text
 from redrive.vocabularies import Vocabulary
@@ -43,7 +43,7 @@ DEFERRED_TAG = "redrive/deferred"
 # run_stage raises `RetryRequested` with the stage's own budget, or `Failure(allow_retries=False)`.
 # Dagster counts both kinds of retry on one counter (`context.retry_number`), so an infrastructure
 # retry also counts as an attempt of the stage that runs next: a stage's budget can only shrink.
-OP_RETRY_POLICY = dg.RetryPolicy(max_retries=3, delay=2.0, backoff=dg.Backoff.EXPONENTIAL,
+OP_RETRY_POLICY = dg.RetryPolicy(max_retries=3, delay=1.0, backoff=dg.Backoff.EXPONENTIAL,
                                  jitter=dg.Jitter.PLUS_MINUS)
 
 
@@ -169,8 +169,11 @@ def sanitized_failures(what: str) -> Iterator[None]:
         raise dg.Failure(description=sanitize_text(f"{what}: {deferred}"), allow_retries=False) from None
     except Exception as exc:  # noqa: BLE001 - named, sanitized, retried by the op's policy
         failure = classify_exception(exc)
+        # issue 12 §3: the op's RetryPolicy is for its infrastructure and unclassified failures; a named
+        # permanent one (a bug, bad data) fails the run at once and is dead-lettered by the run-failure sensor.
         raise dg.Failure(description=sanitize_text(f"{what}: {failure.code}: {failure.message}")[:500],
-                         metadata={"error_class": failure.code}) from StageFailed(failure.code)
+                         metadata={"error_class": failure.code},
+                         allow_retries=failure.retryable or failure.code == Code.UNKNOWN) from StageFailed(failure.code)
 
 
 def sanitized_body(fn: Callable[..., Any]) -> Callable[..., Any]:

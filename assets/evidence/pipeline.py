@@ -192,7 +192,7 @@ def evidence_attach_job() -> None:
     attach_row_evidence()
 
 
-@dg.asset(retry_policy=OP_RETRY_POLICY, group_name=GROUP, kinds={"postgres"})
+@dg.asset(group_name=GROUP, kinds={"postgres"}, tags={"redrive/pipeline": PIPELINE}, retry_policy=OP_RETRY_POLICY)
 @sanitized_body
 def evidence_metrics(context: dg.AssetExecutionContext, reliability: ReliabilityResource,
                      evidence_options: EvidenceOptions) -> dg.MaterializeResult:

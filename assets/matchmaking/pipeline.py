@@ -136,7 +136,8 @@ def build(settings: MatchmakingSettings) -> Built:
                               description="At least 99.9 % of the partition's jobs are completed."),
         ]
 
-    @dg.asset(retry_policy=OP_RETRY_POLICY, name=ASSET, partitions_def=partitions, group_name=PIPELINE, kinds={"postgres"}, check_specs=check_specs)
+    @dg.asset(name=ASSET, partitions_def=partitions, group_name=PIPELINE, kinds={"postgres"}, check_specs=check_specs,
+              tags={"redrive/pipeline": PIPELINE}, retry_policy=OP_RETRY_POLICY)
     @sanitized_body
     def daily_match_offers(context: dg.AssetExecutionContext, config: MatchmakingRunConfig,
                            reliability: ReliabilityResource,

@@ -21,7 +21,7 @@ def test_job_sensors_and_resource_are_in_the_code_location(cdefs, crit_settings)
     assert {"criticizer_new_requests", "criticizer_deferred_retries", "redrive_dead_letter_replays"} <= sensors
     http = cdefs.resources["criticizer_http"]
     assert http.artifact_url_prefixes == [crit_settings.store_url.rstrip("/") + "/"]
-    assert http.results_slack_webhook_url.endswith("/slack/webhook/criticizer-results")
+    assert http.results_slack_webhook_url == "CRITICIZER_RESULTS_SLACK_WEBHOOK_URL"  # an EnvVar: the UI shows the name
     assert pipeline.run_config("r1", {"replay_of": 3, "unknown": 1})["ops"]["criticizer_llm"]["config"] == {
         "request_id": "r1", "replay_of": 3}
 
