@@ -39,6 +39,11 @@ run_coordinator:
       - key: redrive/pipeline
         value: conversion
         limit: 4
+# As dagster.yaml.example: only infrastructure failures re-run a run, never a dead-lettered or deferred one.
+run_retries:
+  enabled: true
+  max_retries: 1
+  retry_on_asset_or_op_failure: false
 telemetry:
   enabled: false
 """
