@@ -31,8 +31,9 @@ storage:
     postgres_url:
       env: DAGSTER_PG_URL
 run_coordinator:
-  module: dagster._core.run_coordinator
-  class: QueuedRunCoordinator
+  # Dagster's QueuedRunCoordinator, which also tags asset-page launches and backfill runs with their pipeline.
+  module: orchestration.run_coordinator
+  class: PipelineTaggingRunCoordinator
   config:
     max_concurrent_runs: 8
     tag_concurrency_limits:

@@ -206,3 +206,40 @@ def test_asset_run_without_the_job_tag_is_dead_lettered_under_its_pipeline(defs,
         [letter] = conn.execute(sa.select(dead_letters)).all()
     assert (letter.pipeline, letter.entity_ref, letter.stage) == ("evidence", f"run:{result.run_id}",
                                                                  "evidence_metrics")
+
+
+def test_backfill_runs_are_queued_with_their_pipelines_tag(stack) -> None:
+    """A real asset backfill of matchmaking's asset, submitted by the backfill daemon's iteration through
+    the instance's run coordinator (as configured in dagster.yaml.example): each run is queued carrying
+    `redrive/pipeline=matchmaking`, so the queue's tag concurrency limit for matchmaking holds for it."""
+    import logging
+    import time
+
+    import yaml
+    from dagster._core.execution.backfill import PartitionBackfill
+    from dagster._core.remote_origin import InProcessCodeLocationOrigin
+    from dagster._core.storage.tags import BACKFILL_ID_TAG
+    from dagster._core.test_utils import InProcessTestWorkspaceLoadTarget
+    from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
+    from dagster._core.workspace.context import WorkspaceProcessContext
+    from dagster._daemon.backfill import execute_backfill_iteration
+
+    from redrive.settings import PROJECT_ROOT
+
+    coordinator = yaml.safe_load((PROJECT_ROOT / "dagster.yaml.example").read_text())["run_coordinator"]
+    key = dg.AssetKey("daily_match_offers")
+    with dg.instance_for_test(overrides={"run_coordinator": coordinator}) as instance, WorkspaceProcessContext(
+        instance, InProcessTestWorkspaceLoadTarget(InProcessCodeLocationOrigin(LoadableTargetOrigin(
+            module_name="orchestration.definitions", working_directory=str(PROJECT_ROOT))))) as process_context:
+        workspace = process_context.create_request_context()
+        partitions = sorted(workspace.asset_graph.get(key).partitions_def.get_partition_keys())[:2]
+        backfill = PartitionBackfill.from_asset_partitions(
+            backfill_id="bf-matchmaking", asset_graph=workspace.asset_graph, partition_names=partitions,
+            asset_selection=[key], backfill_timestamp=time.time(), tags={}, dynamic_partitions_store=instance,
+            all_partitions=False, title=None, description=None, run_config=None)
+        instance.add_backfill(backfill)
+        list(execute_backfill_iteration(process_context, logging.getLogger("backfill")))
+        runs = instance.get_runs(dg.RunsFilter(tags={BACKFILL_ID_TAG: "bf-matchmaking"}))
+    assert len(runs) == 2
+    assert {(r.job_name.startswith("__ASSET_JOB"), r.status, r.tags.get("redrive/pipeline")) for r in runs} == {
+        (True, dg.DagsterRunStatus.QUEUED, "matchmaking")}
