@@ -29,18 +29,23 @@ def secret_setting(name: str, value: Any) -> Any:
     return EnvVar(name) if value and os.environ.get(name) == value else value
 
 
-def slack_from(settings: Settings) -> SlackChannelResource:
-    """The Web API when a bot token is configured, else the incoming webhook (off when neither is)."""
+def slack_from(settings: Settings, *, env_vars: bool = True) -> SlackChannelResource:
+    """The Web API when a bot token is configured, else the incoming webhook (off when neither is).
+
+    `env_vars=False` for use outside Dagster (a command, a test's runtime): nothing resolves an EnvVar there.
+    """
+    hidden = secret_setting if env_vars else (lambda _name, value: value)
     if settings.slack_bot_token:
-        return SlackApiResource(token=secret_setting("SLACK_BOT_TOKEN", settings.slack_bot_token),
+        return SlackApiResource(token=hidden("SLACK_BOT_TOKEN", settings.slack_bot_token),
                                 base_url=settings.slack_api_url, channel=settings.slack_channel)
-    return SlackWebhookResource(url=secret_setting("SLACK_WEBHOOK_URL", settings.slack_webhook_url),
+    return SlackWebhookResource(url=hidden("SLACK_WEBHOOK_URL", settings.slack_webhook_url),
                                 channel=settings.slack_channel)
 
 
 def notifier_from(settings: Settings, slack: SlackChannelResource | None = None) -> NotifierResource:
+    """The notifier; without `slack` (outside Dagster: commands, tests) with plain values, not EnvVars."""
     return NotifierResource(
-        slack=slack or slack_from(settings),
+        slack=slack or slack_from(settings, env_vars=False),
         email_to=settings.alert_email_to,
         email_from=settings.alert_email_from,
         mail_api_url=settings.mail_url,

@@ -69,6 +69,7 @@ def drain_matching_queue(context: dg.OpExecutionContext, config: DrainConfig, re
             description=f"{len(report.unhandled)} deliveries left for redelivery: "
                         f"{sorted({o.code or '-' for o in report.unhandled})}",
             metadata={"counts": dg.MetadataValue.json(counts)},
+            allow_retries=False,  # SQS redelivers them (000's durable timer); the op's RetryPolicy must not
         )
     return dg.Output(
         counts,
