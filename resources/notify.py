@@ -19,6 +19,7 @@ from slack_sdk import WebClient
 from slack_sdk.webhook import WebhookClient
 
 from redrive.alerts import Channel
+from resources.secrets import resolved
 
 
 class SlackChannelResource(ConfigurableResource):
@@ -37,8 +38,8 @@ class SlackApiResource(SlackResource, SlackChannelResource):
 
     def get_client(self) -> WebClient:
         if self.base_url:
-            return WebClient(token=self.token, base_url=self.base_url, timeout=10)
-        return WebClient(token=self.token, timeout=10)
+            return WebClient(token=resolved(self.token), base_url=self.base_url, timeout=10)
+        return WebClient(token=resolved(self.token), timeout=10)
 
     def alert_channel(self) -> Channel | None:
         return SlackApiChannel(self, self.channel) if self.token else None
@@ -55,10 +56,10 @@ class SlackWebhookResource(SlackChannelResource):
     def get_client(self) -> WebhookClient:
         if not self.url:
             raise ValueError("no Slack webhook URL configured")
-        return WebhookClient(self.url, timeout=10)
+        return WebhookClient(resolved(self.url), timeout=10)
 
     def alert_channel(self) -> Channel | None:
-        return SlackWebhookChannel(self.url) if self.url else None
+        return SlackWebhookChannel(resolved(self.url)) if self.url else None
 
 
 @dataclass(frozen=True)
