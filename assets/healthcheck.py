@@ -18,6 +18,7 @@ from dagster_aws.s3 import S3Resource
 from pydantic import BaseModel, ConfigDict
 
 from redrive.schema import healthchecks
+from redrive.stages import OP_RETRY_POLICY, sanitized_body
 from resources.aws import SqsResource, ensure_bucket
 from resources.database import PostgresResource
 from resources.llm import LlmResource
@@ -34,7 +35,8 @@ class HealthcheckConfig(dg.Config):
     bucket: str = "redrive-artifacts"
 
 
-@dg.asset(group_name="operations", kinds={"postgres", "s3", "sqs"})
+@dg.asset(retry_policy=OP_RETRY_POLICY, group_name="operations", kinds={"postgres", "s3", "sqs"})
+@sanitized_body
 def stack_healthcheck(
     context: dg.AssetExecutionContext,
     config: HealthcheckConfig,

@@ -31,14 +31,20 @@ storage:
     postgres_url:
       env: DAGSTER_PG_URL
 run_coordinator:
-  module: dagster._core.run_coordinator
-  class: QueuedRunCoordinator
+  # Dagster's QueuedRunCoordinator, which also tags asset-page launches and backfill runs with their pipeline.
+  module: orchestration.run_coordinator
+  class: PipelineTaggingRunCoordinator
   config:
     max_concurrent_runs: 8
     tag_concurrency_limits:
       - key: redrive/pipeline
         value: conversion
         limit: 4
+# As dagster.yaml.example: only infrastructure failures re-run a run, never a dead-lettered or deferred one.
+run_retries:
+  enabled: true
+  max_retries: 1
+  retry_on_asset_or_op_failure: false
 telemetry:
   enabled: false
 """

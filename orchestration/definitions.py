@@ -13,6 +13,7 @@ from resources.factory import build_resources
 from sensors.core import (
     alert_delivery_sensor,
     dead_letter_reconciliation_sensor,
+    asset_pipelines_of,
     dead_letter_replay_sensor,
     deferred_retry_sensor,
     run_failure_alert_sensor,
@@ -29,14 +30,15 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     resources = build_resources(settings)
     for p in pipelines:
         resources.update(p.resources)
+    assets = [stack_healthcheck, *[a for p in pipelines for a in p.assets]]
     return dg.Definitions(
-        assets=[stack_healthcheck, *[a for p in pipelines for a in p.assets]],
+        assets=assets,
         asset_checks=[c for p in pipelines for c in p.asset_checks],
         jobs=[healthcheck_job, *[j for p in pipelines for j in p.jobs]],
         schedules=[s for p in pipelines for s in p.schedules],
         sensors=[
             alert_delivery_sensor(),
-            run_failure_alert_sensor(),
+            run_failure_alert_sensor(asset_pipelines_of(a for a in assets if isinstance(a, dg.AssetsDefinition))),
             dead_letter_replay_sensor(replay_targets),
             dead_letter_reconciliation_sensor(failed_for_good),
             *[deferred_retry_sensor(name, target) for name, target in replay_targets.items()],

@@ -10,17 +10,14 @@ Whatever the op raises reaches Dagster's event log only as a sanitized one-line 
 
 # No `from __future__ import annotations`: Dagster reads config types from live annotations.
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import dagster as dg
 
 from redrive.drain import Drain, DrainReport, Handler
-from redrive.failures import classify_exception
 from redrive.reliability import Reliability
-from redrive.sanitize import sanitize_text
-from redrive.stages import StageFailed, StagePolicy
+from redrive.stages import StagePolicy, sanitized_failures  # noqa: F401 - also imported from here
 
 # Unclassified and infrastructure failures of the op itself (database or S3 unreachable).
 DRAIN_RETRY_POLICY = dg.RetryPolicy(max_retries=3, delay=2.0, backoff=dg.Backoff.EXPONENTIAL,
@@ -35,23 +32,6 @@ class DrainConfig(dg.Config):
     max_seconds: float = 600.0  # the run ends after this; the sensor starts the next round
     linger_seconds: float = 5.0  # wait this long for work falling due before ending
     max_items: int | None = None
-
-
-@contextlib.contextmanager
-def sanitized_failures(what: str) -> Iterator[None]:
-    """Let Dagster's own control flow through; turn any other exception into a sanitized `Failure`.
-
-    Dagster stores an op's exception, its message and its cause chain in the event log; a
-    secret in an upstream error must not land there, so the original is not chained.
-    """
-    try:
-        yield
-    except (dg.Failure, dg.RetryRequested):
-        raise
-    except Exception as exc:  # noqa: BLE001 - named, sanitized, retried by the op's policy
-        failure = classify_exception(exc)
-        raise dg.Failure(description=sanitize_text(f"{what}: {failure.code}: {failure.message}")[:500],
-                         metadata={"error_class": failure.code}) from StageFailed(failure.code)
 
 
 def run_drain(context: dg.OpExecutionContext, runtime: Reliability, pipeline: str,

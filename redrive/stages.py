@@ -15,7 +15,10 @@ cause chain in its event log, and a secret in an upstream error must not land th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
@@ -25,7 +28,7 @@ import dagster as dg
 from redrive.backoff import BackoffPolicy
 from redrive.budgets import RetryDecision, decide
 from redrive.deadletters import FinalFailure
-from redrive.failures import Failure, classify_exception
+from redrive.failures import Code, Failure, classify_exception
 from redrive.reliability import Reliability
 from redrive.sanitize import sanitize_exception, sanitize_text
 from redrive.vocabularies import Vocabulary
@@ -34,6 +37,14 @@ T = TypeVar("T")
 
 DEAD_LETTERED_TAG = "redrive/dead_lettered"
 DEFERRED_TAG = "redrive/deferred"
+
+# Unclassified and infrastructure failures of an op itself (database or S3 unreachable, a bug):
+# Dagster re-runs the op with backoff and jitter. Classified per-entity failures never reach it:
+# run_stage raises `RetryRequested` with the stage's own budget, or `Failure(allow_retries=False)`.
+# Dagster counts both kinds of retry on one counter (`context.retry_number`), so an infrastructure
+# retry also counts as an attempt of the stage that runs next: a stage's budget can only shrink.
+OP_RETRY_POLICY = dg.RetryPolicy(max_retries=3, delay=1.0, backoff=dg.Backoff.EXPONENTIAL,
+                                 jitter=dg.Jitter.PLUS_MINUS)
 
 
 @dataclass(frozen=True)
@@ -99,12 +110,12 @@ def run_stage(
         stack = sanitize_exception(exc)
     decision = decide_for(policy, failure, attempt, reliability, f"{unit.pipeline}:{unit.entity_ref}:{stage}:{attempt}")
     wait = decision.delay * reliability.time_scale
-    public = f"{stage} attempt {attempt}/{policy.max_attempts} of {unit.entity_ref}: {failure.code}: {failure.message}"
+    # Every line below reaches Dagster's event log: the text is sanitized once, before any of them.
+    public = sanitize_text(
+        f"{stage} attempt {attempt}/{policy.max_attempts} of {unit.entity_ref}: {failure.code}: {failure.message}")
     if decision.retry and decision.delay <= reliability.durable_threshold:
         context.log.warning(f"{public}; retrying in {wait:.3f}s")
-        raise dg.RetryRequested(max_retries=policy.max_attempts, seconds_to_wait=wait) from StageFailed(
-            sanitize_text(public)
-        )
+        raise dg.RetryRequested(max_retries=policy.max_attempts, seconds_to_wait=wait) from StageFailed(public)
     if decision.retry:
         due_at = reliability.defer(unit.pipeline, unit.entity_ref, attempt + 1, wait,
                                    {"stage": stage, "prior_attempts": {**unit.prior_attempts, stage: attempt}})
@@ -130,7 +141,7 @@ def run_stage(
     context.instance.add_run_tags(context.run_id, {DEAD_LETTERED_TAG: "true"})
     context.log.error(f"{public}; {decision.reason}: dead letter {recorded.dead_letter.id}")
     raise dg.Failure(
-        description=sanitize_text(f"{public} ({decision.reason}); dead letter {recorded.dead_letter.id}"),
+        description=f"{public} ({sanitize_text(decision.reason)}); dead letter {recorded.dead_letter.id}",
         metadata={
             "dead_letter_id": recorded.dead_letter.id,
             "error_class": failure.code,
@@ -139,6 +150,55 @@ def run_stage(
         },
         allow_retries=False,
     ) from StageFailed(failure.code)
+
+
+@contextlib.contextmanager
+def sanitized_failures(what: str) -> Iterator[None]:
+    """Let Dagster's own control flow through; turn any other exception into a sanitized `Failure`.
+
+    Dagster stores an op's exception, its message and its cause chain in the event log; a
+    secret in an upstream error must not land there, so the original is not chained. The
+    `Failure` may be retried by the op's `RetryPolicy`; when the run fails for good, the
+    run-failure sensor dead-letters it (`sensors.core.run_failure_alert_sensor`).
+    """
+    try:
+        yield
+    except (dg.Failure, dg.RetryRequested):
+        raise
+    except DeferredRetry as deferred:  # the next attempt is a durable timer: Dagster must not retry the op
+        raise dg.Failure(description=sanitize_text(f"{what}: {deferred}"), allow_retries=False) from None
+    except Exception as exc:  # noqa: BLE001 - named, sanitized, retried by the op's policy
+        failure = classify_exception(exc)
+        # issue 12 §3: the op's RetryPolicy is for its infrastructure and unclassified failures; a named
+        # permanent one (a bug, bad data) fails the run at once and is dead-lettered by the run-failure sensor.
+        raise dg.Failure(description=sanitize_text(f"{what}: {failure.code}: {failure.message}")[:500],
+                         metadata={"error_class": failure.code},
+                         allow_retries=failure.retryable or failure.code == Code.UNKNOWN) from StageFailed(failure.code)
+
+
+def sanitized_body(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate an op's or asset's body (under `@dg.op`/`@dg.asset`) with `sanitized_failures(name)`.
+
+    The signature is kept (`functools.wraps`), so Dagster still sees the context, config and
+    resources; a generator body stays a generator, so its outputs stream as before.
+    """
+    what = fn.__name__
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def streamed(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            with sanitized_failures(what):
+                yield from fn(*args, **kwargs)
+
+        streamed.sanitized = True  # type: ignore[attr-defined]
+        return streamed
+
+    @functools.wraps(fn)
+    def body(*args: Any, **kwargs: Any) -> Any:
+        with sanitized_failures(what):
+            return fn(*args, **kwargs)
+
+    body.sanitized = True  # type: ignore[attr-defined]  # tests/core_dagster/test_wiring.py finds it on every op
+    return body
 
 
 class EntityRunFields(dg.Config):

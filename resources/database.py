@@ -11,6 +11,7 @@ from pydantic import Field
 
 from redrive.db import engine_for, normalize_url, upgrade_head
 from redrive.settings import Settings
+from resources.secrets import resolved
 
 
 class PostgresResource(ConfigurableResource):
@@ -20,7 +21,7 @@ class PostgresResource(ConfigurableResource):
 
     def url(self) -> str:
         if self.database_url:
-            return self.database_url
+            return resolved(self.database_url)
         return resolve_database_url(Settings(database_url=None))
 
     def engine(self) -> sa.Engine:

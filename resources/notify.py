@@ -1,8 +1,10 @@
 """Alert channels: Slack (incoming webhook or Web API) and email (the mail provider's HTTP API).
 
 Each channel is enabled by the presence of its configuration (000). They only carry
-text; what to say and when is `redrive.alerts`. dagster-slack's SlackResource has
-no base URL, so `SlackApiResource` adds one: the sandbox locally, Slack by default.
+text; what to say and when is `redrive.alerts`. Slack is a top-level Dagster resource
+("slack" in the Definitions, listed in the UI) that the notifier nests: dagster-slack's
+SlackResource for the Web API (with a base URL: the sandbox locally, Slack by default),
+or a webhook resource of the same shape.
 """
 
 from __future__ import annotations
@@ -12,20 +14,52 @@ from dataclasses import dataclass, field
 import httpx
 from dagster import ConfigurableResource
 from dagster_slack import SlackResource
+from pydantic import Field
 from slack_sdk import WebClient
+from slack_sdk.webhook import WebhookClient
 
 from redrive.alerts import Channel
+from resources.secrets import resolved
 
 
-class SlackApiResource(SlackResource):
-    """dagster-slack's resource with a configurable API base URL."""
+class SlackChannelResource(ConfigurableResource):
+    """What the core's alerts need of Slack: the channel alerts go to, or None when Slack is off."""
+
+    channel: str = Field(default="#redrive-alerts", description="SLACK_CHANNEL (the Web API posts there)")
+
+    def alert_channel(self) -> Channel | None:
+        return None
+
+
+class SlackApiResource(SlackResource, SlackChannelResource):
+    """dagster-slack's resource (token → `WebClient`) with a configurable API base URL."""
 
     base_url: str | None = None
 
     def get_client(self) -> WebClient:
         if self.base_url:
-            return WebClient(token=self.token, base_url=self.base_url, timeout=10)
-        return WebClient(token=self.token, timeout=10)
+            return WebClient(token=resolved(self.token), base_url=self.base_url, timeout=10)
+        return WebClient(token=resolved(self.token), timeout=10)
+
+    def alert_channel(self) -> Channel | None:
+        return SlackApiChannel(self, self.channel) if self.token else None
+
+
+class SlackWebhookResource(SlackChannelResource):
+    """An incoming webhook, shaped like `SlackApiResource`: configuration plus `get_client()`.
+
+    The URL's path is the credential: configure it as `EnvVar("SLACK_WEBHOOK_URL")`.
+    """
+
+    url: str | None = Field(default=None, description="SLACK_WEBHOOK_URL; unset: no Slack alerts")
+
+    def get_client(self) -> WebhookClient:
+        if not self.url:
+            raise ValueError("no Slack webhook URL configured")
+        return WebhookClient(resolved(self.url), timeout=10)
+
+    def alert_channel(self) -> Channel | None:
+        return SlackWebhookChannel(resolved(self.url)) if self.url else None
 
 
 @dataclass(frozen=True)
@@ -78,10 +112,7 @@ class EmailChannel:
 class NotifierResource(ConfigurableResource):
     """Which alert channels are on: each one by the presence of its configuration."""
 
-    slack_webhook_url: str | None = None
-    slack_bot_token: str | None = None
-    slack_api_base_url: str | None = None
-    slack_channel: str = "#redrive-alerts"
+    slack: SlackChannelResource | None = None  # the code location's top-level "slack" resource
     email_to: str | None = None
     email_from: str = "redrive@localhost"
     mail_api_url: str | None = None
@@ -89,12 +120,9 @@ class NotifierResource(ConfigurableResource):
 
     def channels(self) -> dict[str, Channel]:
         out: dict[str, Channel] = {}
-        if self.slack_bot_token:
-            out["slack"] = SlackApiChannel(
-                SlackApiResource(token=self.slack_bot_token, base_url=self.slack_api_base_url), self.slack_channel
-            )
-        elif self.slack_webhook_url:
-            out["slack"] = SlackWebhookChannel(self.slack_webhook_url)
+        slack = self.slack.alert_channel() if self.slack is not None else None
+        if slack is not None:
+            out["slack"] = slack
         recipients = tuple(a.strip() for a in (self.email_to or "").split(",") if a.strip())
         if recipients and self.mail_api_url:
             out["email"] = EmailChannel(self.mail_api_url, recipients, self.email_from, self.mail_api_token)

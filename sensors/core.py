@@ -9,16 +9,16 @@ shows a failed tick, never a silent "nothing new".
 
 # No `from __future__ import annotations`: Dagster reads config and resource types from live annotations.
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import dagster as dg
 from dagster._core.storage.tags import WILL_RETRY_TAG
 
 from redrive import deadletters, timers, work
-from redrive.alerts import Alert
+from redrive.deadletters import DeadLetter, FinalFailure
+from redrive.failures import Code, Failure
 from redrive.reconcile import FailedForGood, reconcile
-from redrive.deadletters import DeadLetter
 from redrive.run_keys import run_key
 from redrive.sanitize import sanitize_text
 from redrive.stages import DEAD_LETTERED_TAG, DEFERRED_TAG
@@ -26,6 +26,7 @@ from redrive.timers import Timer
 from resources.reliability import ReliabilityResource
 
 REPLAY_TAG = "redrive/replay_of"
+PIPELINE_TAG = "redrive/pipeline"
 
 
 def alert_delivery_sensor(minimum_interval_seconds: int = 30) -> dg.SensorDefinition:
@@ -51,26 +52,59 @@ def should_alert_run_failure(tags: Mapping[str, str]) -> bool:
     return tags.get(DEAD_LETTERED_TAG) != "true" and tags.get(DEFERRED_TAG) != "true"
 
 
-def run_failure_alert_sensor() -> dg.SensorDefinition:
+def pipeline_of_run(tags: Mapping[str, str], job_name: str, asset_keys: Iterable[dg.AssetKey],
+                    asset_pipelines: Mapping[dg.AssetKey, str]) -> str:
+    """Pure: the run's pipeline: its tag; for an untagged asset run (`__ASSET_JOB`), its assets' tag; else the job."""
+    if tags.get(PIPELINE_TAG):
+        return tags[PIPELINE_TAG]
+    for key in asset_keys:
+        if key in asset_pipelines:
+            return asset_pipelines[key]
+    return job_name
+
+
+def asset_pipelines_of(assets: Iterable[dg.AssetsDefinition]) -> dict[dg.AssetKey, str]:
+    """Each asset's pipeline, from the `redrive/pipeline` tag on its definition."""
+    return {key: tags[PIPELINE_TAG] for a in assets for key, tags in a.tags_by_key.items() if PIPELINE_TAG in tags}
+
+
+def _failed_step(context: dg.RunFailureSensorContext) -> tuple[str, str]:
+    """The first failed step and the error class our sanitized `Failure` recorded on it (else UNKNOWN)."""
+    for event in context.get_step_failure_events():
+        data = event.step_failure_data.user_failure_data
+        error_class = data.metadata.get("error_class") if data is not None else None
+        code = getattr(error_class, "value", None) or Code.UNKNOWN
+        return event.step_key or "run", str(code)
+    return "run", str(Code.UNKNOWN)
+
+
+def run_failure_alert_sensor(asset_pipelines: Mapping[dg.AssetKey, str] | None = None) -> dg.SensorDefinition:
     @dg.run_failure_sensor(name="redrive_run_failure_alerts", monitor_all_code_locations=False,
                            default_status=dg.DefaultSensorStatus.RUNNING)
     def _sensor(context: dg.RunFailureSensorContext, reliability: ReliabilityResource) -> None:
-        """Posts unexpected run failures to the alert channels; silent for runs Dagster will retry."""
+        """Dead-letters and alerts unexpected run failures once; silent for runs Dagster will retry.
+
+        An op's own failure (outside the stage runner, retries spent) is a dead letter like any
+        other (issue 13 §1), on the run's partition, or on the run itself when it has none.
+        """
         run = context.dagster_run
         if not should_alert_run_failure(run.tags):
             return
         runtime = reliability.runtime()
-        message = context.failure_event.message or "run failed"
-        runtime.alert(
-            Alert(
-                pipeline=run.tags.get("redrive/pipeline", run.job_name),
-                kind="run_failure",
-                dedupe_key=f"run_failure:{run.run_id}",
-                summary=sanitize_text(f"run of {run.job_name} failed: {message}")[:400],
-                entity_ref=run.tags.get("dagster/partition"),
-                link=runtime.run_link(run.run_id),
-            )
-        )
+        pipeline = pipeline_of_run(run.tags, run.job_name, run.asset_selection or (), asset_pipelines or {})
+        entity_ref = run.tags.get("dagster/partition") or f"run:{run.run_id}"
+        with runtime.engine.connect() as conn:
+            letter = deadletters.active_for(conn, pipeline, entity_ref)
+        if letter is not None and letter.run_id == run.run_id:
+            return  # this run's failure is already recorded: exactly once
+        stage, code = _failed_step(context)
+        message = sanitize_text(f"run of {run.job_name} failed: {context.failure_event.message or 'run failed'}")
+        runtime.fail_for_good(FinalFailure(
+            pipeline=pipeline, stage=stage, entity_ref=entity_ref, attempts=1, at=runtime.now(), run_id=run.run_id,
+            failure=Failure.of(Code(code) if code in Code.__members__ else Code.UNKNOWN, message=message[:400],
+                               retryable=False),
+            context={"dagster_run_id": run.run_id, "job": run.job_name},
+        ))
 
     return _sensor
 

@@ -22,6 +22,7 @@ from assets.conversion.files import FileStore
 from assets.conversion.settings import BREAKER, PIPELINE
 from assets.conversion.worker import JsonLog, Shutdown, Worker
 from redrive.breaker import CircuitBreaker, Transition
+from redrive.stages import OP_RETRY_POLICY, sanitized_body
 from resources.conversion import ConversionResource
 from resources.reliability import ReliabilityResource
 
@@ -35,7 +36,8 @@ class WorkerRunConfig(dg.Config):
     idle_sleep_sec: float | None = None  # default WORKER_IDLE_SLEEP_SEC
 
 
-@dg.op(out=dg.Out(dict))
+@dg.op(retry_policy=OP_RETRY_POLICY, out=dg.Out(dict))
+@sanitized_body
 def convert_due_jobs(context: dg.OpExecutionContext, config: WorkerRunConfig, reliability: ReliabilityResource,
                      conversion: ConversionResource) -> dict:
     """Claims and converts due PDF jobs until none is left to claim, under leases, fencing and the circuit breaker."""
@@ -66,7 +68,8 @@ def convert_due_jobs(context: dg.OpExecutionContext, config: WorkerRunConfig, re
     return summary
 
 
-@dg.op
+@dg.op(retry_policy=OP_RETRY_POLICY)
+@sanitized_body
 def probe_gateway(context: dg.OpExecutionContext, reliability: ReliabilityResource,
                   conversion: ConversionResource) -> None:
     """003 §3.3 health probe: closes the open circuit breaker once the PDF gateway answers /health again."""
@@ -91,7 +94,8 @@ class ReplayConfig(dg.Config):
     replay_of: int | None = None
 
 
-@dg.op
+@dg.op(retry_policy=OP_RETRY_POLICY)
+@sanitized_body
 def requeue_failed_job(context: dg.OpExecutionContext, config: ReplayConfig, reliability: ReliabilityResource,
                        conversion: ConversionResource) -> None:
     """Replay of a dead-lettered conversion: the failed job goes back to `queued` with a fresh attempt budget."""

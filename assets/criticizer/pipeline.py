@@ -31,7 +31,7 @@ from redrive import checkpoints
 from redrive.drain import Attempt, Handler
 from redrive.drain_ops import DRAIN_RETRY_POLICY, DrainConfig, drain_job, run_drain
 from redrive.reliability import Reliability
-from redrive.stages import StagePolicy
+from redrive.stages import StagePolicy, sanitized_body
 from redrive.vocabularies import CRITICIZER
 from resources.criticizer import CriticizerHttpResource
 from resources.llm import LlmResource
@@ -117,6 +117,7 @@ def _note_failure(conn: sa.Connection, runtime: Reliability, attempt: Attempt,
 
 
 @dg.op(name="criticizer_drain", retry_policy=DRAIN_RETRY_POLICY, out=dg.Out(dict))
+@sanitized_body
 def drain_op(context: dg.OpExecutionContext, config: DrainConfig, reliability: ReliabilityResource,
              criticizer_http: CriticizerHttpResource, llm: LlmResource):
     """Work every due critique request: fetch the artifact, ask the LLM for a critique, deliver it."""

@@ -30,7 +30,7 @@ from assets.evidence.settings import EvidenceOptions
 from redrive.backoff import FullJitter
 from redrive.drain_ops import DRAIN_RETRY_POLICY, DrainConfig, run_drain
 from redrive.failures import Code, Failure, PermanentError
-from redrive.stages import DeferredRetry, EntityRunFields, StagePolicy, Unit, entity_run_config, run_stage
+from redrive.stages import OP_RETRY_POLICY, DeferredRetry, EntityRunFields, StagePolicy, Unit, entity_run_config, run_stage, sanitized_body
 from redrive.vocabularies import EVIDENCE, EVIDENCE_S3
 from resources.evidence import CaseApiResource, MerchantMailResource
 from resources.reliability import ReliabilityResource
@@ -69,7 +69,8 @@ def _stage(context: dg.OpExecutionContext, runtime: Any, unit: Unit, stage: str,
         return None
 
 
-@dg.op(out=dg.Out(dict, is_required=False))
+@dg.op(retry_policy=OP_RETRY_POLICY, out=dg.Out(dict, is_required=False))
+@sanitized_body
 def ingest_file_job(context: dg.OpExecutionContext, config: FileJobConfig, reliability: ReliabilityResource,
                     s3: S3Resource, evidence_options: EvidenceOptions):
     """Validate the file job's ZIP (a manifest.csv row per dispute case naming its evidence files), extract
@@ -114,6 +115,7 @@ def ingest_file_job(context: dg.OpExecutionContext, config: FileJobConfig, relia
 
 
 @dg.op(retry_policy=DRAIN_RETRY_POLICY)
+@sanitized_body
 def attach_file_job_rows(context: dg.OpExecutionContext, config: DrainConfig, reliability: ReliabilityResource,
                          case_api: CaseApiResource, evidence_options: EvidenceOptions,
                          evidence_hooks: dg.ResourceParam[worker.WorkerHooks], ingested: dict) -> dg.Output:
@@ -127,7 +129,8 @@ def attach_file_job_rows(context: dg.OpExecutionContext, config: DrainConfig, re
         return run_drain(context, runtime, PIPELINE, ROW_POLICIES, handle, config, group_key=context.partition_key)
 
 
-@dg.op
+@dg.op(retry_policy=OP_RETRY_POLICY)
+@sanitized_body
 def send_file_job_notifications(context: dg.OpExecutionContext, config: FileJobConfig,
                                 reliability: ReliabilityResource, merchant_mail: MerchantMailResource,
                                 drained: dict) -> dict:

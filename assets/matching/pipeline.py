@@ -15,6 +15,7 @@ import dagster as dg
 
 from assets.matching import ingestion, repository, worker
 from assets.matching.policy import PIPELINE, STATUSES
+from redrive.stages import OP_RETRY_POLICY, sanitized_body
 from resources.llm import LlmResource
 from resources.matching import MatchingResource
 from resources.reliability import ReliabilityResource
@@ -50,7 +51,8 @@ def build_worker(context: dg.OpExecutionContext, reliability: ReliabilityResourc
     )
 
 
-@dg.op
+@dg.op(retry_policy=OP_RETRY_POLICY)
+@sanitized_body
 def drain_matching_queue(context: dg.OpExecutionContext, config: DrainConfig, reliability: ReliabilityResource,
                          matching: MatchingResource, llm: LlmResource) -> dg.Output:
     """Receive matching messages in batches and apply 000's per-message flow to each."""
@@ -67,6 +69,7 @@ def drain_matching_queue(context: dg.OpExecutionContext, config: DrainConfig, re
             description=f"{len(report.unhandled)} deliveries left for redelivery: "
                         f"{sorted({o.code or '-' for o in report.unhandled})}",
             metadata={"counts": dg.MetadataValue.json(counts)},
+            allow_retries=False,  # SQS redelivers them (000's durable timer); the op's RetryPolicy must not
         )
     return dg.Output(
         counts,
@@ -86,7 +89,8 @@ def matching_drain_job() -> None:
     drain_matching_queue()
 
 
-@dg.op
+@dg.op(retry_policy=OP_RETRY_POLICY)
+@sanitized_body
 def matching_setup(context: dg.OpExecutionContext, matching: MatchingResource) -> dg.Output:
     """Create the matching queue and its DLQ (60 s visibility, redrive after 3 receives), idempotently."""
     queue = matching.queue()
@@ -115,7 +119,8 @@ class RequeueConfig(dg.Config):
     attempt: int | None = None
 
 
-@dg.op
+@dg.op(retry_policy=OP_RETRY_POLICY)
+@sanitized_body
 def requeue_for_matching(context: dg.OpExecutionContext, config: RequeueConfig, reliability: ReliabilityResource,
                          matching: MatchingResource) -> dg.Output:
     """Replay or backfill: set documents back to pending and publish their ids again."""

@@ -25,7 +25,7 @@ from assets.matchmaking.policy import Partition, PartitionHealth, ScoringWeights
 from assets.matchmaking.settings import MatchmakingSettings
 from redrive.alerts import Alert
 from redrive.reliability import Reliability
-from redrive.stages import DEAD_LETTERED_TAG, DeferredRetry, EntityRunFields, Unit, entity_run_config, run_stage
+from redrive.stages import DEAD_LETTERED_TAG, OP_RETRY_POLICY, DeferredRetry, EntityRunFields, Unit, entity_run_config, run_stage, sanitized_body
 from resources.http import ArtifactStoreResource
 from resources.reliability import ReliabilityResource
 
@@ -136,7 +136,9 @@ def build(settings: MatchmakingSettings) -> Built:
                               description="At least 99.9 % of the partition's jobs are completed."),
         ]
 
-    @dg.asset(name=ASSET, partitions_def=partitions, group_name=PIPELINE, kinds={"postgres"}, check_specs=check_specs)
+    @dg.asset(name=ASSET, partitions_def=partitions, group_name=PIPELINE, kinds={"postgres"}, check_specs=check_specs,
+              tags={"redrive/pipeline": PIPELINE}, retry_policy=OP_RETRY_POLICY)
+    @sanitized_body
     def daily_match_offers(context: dg.AssetExecutionContext, config: MatchmakingRunConfig,
                            reliability: ReliabilityResource,
                            artifact_store: ArtifactStoreResource) -> Iterator[Any]:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from assets.rehearsal import repository
 from redrive import checkpoints
 from redrive.backoff import FullJitter
-from redrive.stages import EntityRunFields, StagePolicy, Unit, checkpointed_stage, entity_run_config
+from redrive.stages import OP_RETRY_POLICY, EntityRunFields, StagePolicy, Unit, checkpointed_stage, entity_run_config, sanitized_body
 from resources.http import ArtifactStoreResource
 from resources.llm import LlmResource
 from resources.reliability import ReliabilityResource
@@ -49,7 +49,8 @@ def unit_for(request: repository.RehearsalRequest, config: RehearsalConfig) -> U
     )
 
 
-@dg.op(name="rehearsal_fetch", out=dg.Out(dict, is_required=False))
+@dg.op(retry_policy=OP_RETRY_POLICY, name="rehearsal_fetch", out=dg.Out(dict, is_required=False))
+@sanitized_body
 def fetch(context: dg.OpExecutionContext, config: RehearsalConfig, reliability: ReliabilityResource,
           artifact_store: ArtifactStoreResource):
     """Download the artifact from the store (the sandbox locally)."""
@@ -69,7 +70,8 @@ def fetch(context: dg.OpExecutionContext, config: RehearsalConfig, reliability: 
         yield dg.Output(output)
 
 
-@dg.op(name="rehearsal_ask")
+@dg.op(retry_policy=OP_RETRY_POLICY, name="rehearsal_ask")
+@sanitized_body
 def ask(context: dg.OpExecutionContext, config: RehearsalConfig, reliability: ReliabilityResource,
         llm: LlmResource, fetched: dict) -> None:
     """Ask the LLM for a verdict on the artifact; completing closes the request's dead letter."""

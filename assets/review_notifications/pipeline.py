@@ -22,7 +22,7 @@ from assets.review_notifications import api, delivery, policy, repository
 from assets.review_notifications.settings import ReviewNotificationSettings
 from redrive import deadletters
 from redrive.sanitize import sanitize_text
-from redrive.stages import DeferredRetry, StagePolicy, Unit, run_stage
+from redrive.stages import OP_RETRY_POLICY, DeferredRetry, StagePolicy, Unit, run_stage, sanitized_body
 from resources.reliability import ReliabilityResource
 from resources.review_notifications import MailProviderResource
 
@@ -51,7 +51,8 @@ def build_job(knobs: ReviewNotificationSettings) -> dg.JobDefinition:
     send_policy = StagePolicy(max_attempts=knobs.job_attempts, backoff=policy.JOB_BACKOFF,
                               vocabulary=policy.NOTIFICATION)
 
-    @dg.op(out=dg.Out(dict, is_required=False))
+    @dg.op(retry_policy=OP_RETRY_POLICY, out=dg.Out(dict, is_required=False))
+    @sanitized_body
     def prepare_job(context: dg.OpExecutionContext, config: ReviewNotificationConfig,
                     reliability: ReliabilityResource):
         """Pick the partition's job; requeue the delivery row a replay is for; skip a finished job."""
@@ -75,7 +76,8 @@ def build_job(knobs: ReviewNotificationSettings) -> dg.JobDefinition:
             repository.set_job_status(conn, job.id, policy.IN_PROGRESS)
         yield dg.Output(job.as_json(), metadata={"job": key, "status": job.status})
 
-    @dg.op(out=dg.Out(dict, is_required=False))
+    @dg.op(retry_policy=OP_RETRY_POLICY, out=dg.Out(dict, is_required=False))
+    @sanitized_body
     def send_notifications(context: dg.OpExecutionContext, config: ReviewNotificationConfig,
                            reliability: ReliabilityResource, review_mail: MailProviderResource, job: dict):
         """Reconcile the outbox against the provider, then send-and-mark every unsent recipient."""
@@ -118,7 +120,8 @@ def build_job(knobs: ReviewNotificationSettings) -> dg.JobDefinition:
         yield dg.Output(output, metadata={k: v for k, v in output.items()
                                           if isinstance(v, int) and not isinstance(v, bool)})
 
-    @dg.op
+    @dg.op(retry_policy=OP_RETRY_POLICY)
+    @sanitized_body
     def finalize_job(context: dg.OpExecutionContext, config: ReviewNotificationConfig,
                      reliability: ReliabilityResource, delivered: dict) -> dict:
         """§6.5: succeeded only when every required recipient has notified_at; closes dead letters it settled."""

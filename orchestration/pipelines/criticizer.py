@@ -7,6 +7,7 @@ from assets.criticizer.settings import CriticizerSettings
 from orchestration.registry import PipelineDefs
 from redrive.settings import Settings
 from resources.criticizer import CriticizerHttpResource
+from resources.factory import secret_setting
 from sensors.core import due_work_sensor
 
 
@@ -23,7 +24,8 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
                 timeout_seconds=settings.http_timeout_seconds,
                 artifact_url_prefixes=list(own.allowed_prefixes(settings)),
                 max_artifact_bytes=own.max_artifact_bytes,
-                results_slack_webhook_url=own.results_slack_webhook_url,
+                results_slack_webhook_url=secret_setting("CRITICIZER_RESULTS_SLACK_WEBHOOK_URL",
+                                                         own.results_slack_webhook_url),
             )
         },
         drained=[pipeline.PIPELINE],

@@ -14,13 +14,13 @@ from redrive.deadletters import FinalFailure
 from redrive.failures import Code, Failure
 from redrive.reliability import Reliability
 from redrive.schema import alert_deliveries
-from resources.notify import NotifierResource
+from resources.notify import NotifierResource, SlackApiResource, SlackWebhookResource
 
 START = datetime(2026, 3, 8, 6, 0, tzinfo=UTC)
 
 
 def runtime(engine: sa.Engine, clock: FrozenClock, **kw) -> Reliability:
-    channels = NotifierResource(slack_webhook_url=f"{os.environ['SANDBOX_URL']}/slack/webhook/ops",
+    channels = NotifierResource(slack=SlackWebhookResource(url=f"{os.environ['SANDBOX_URL']}/slack/webhook/ops"),
                                 **kw).channels()
     return Reliability(engine=engine, channels=channels, clock=clock, burst_window=300)
 
@@ -118,8 +118,8 @@ def test_render_carries_entity_tenant_error_attempts_and_link() -> None:
 def test_slack_web_api_channel_posts_through_dagster_slack(engine, sandbox) -> None:
     """With a bot token, alerts go through dagster-slack's resource (with a base URL) to chat.postMessage."""
     clock = FrozenClock(START)
-    channels = NotifierResource(slack_bot_token="xoxb-test-token", slack_channel="#ops",
-                                slack_api_base_url=f"{os.environ['SANDBOX_URL']}/slack/api/").channels()
+    channels = NotifierResource(slack=SlackApiResource(token="xoxb-test-token", channel="#ops",
+                                                       base_url=f"{os.environ['SANDBOX_URL']}/slack/api/")).channels()
     Reliability(engine=engine, channels=channels, clock=clock).fail_for_good(final("art-9", clock))
     [message] = sandbox.effects("slack.message")
     assert message["channel"] == "#ops" and "art-9" in message["payload"]["text"]

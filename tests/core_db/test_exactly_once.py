@@ -12,13 +12,13 @@ from redrive.clock import FrozenClock
 from redrive.deadletters import FinalFailure
 from redrive.failures import Code, Failure
 from redrive.reliability import Reliability
-from resources.notify import NotifierResource
+from resources.notify import NotifierResource, SlackWebhookResource
 
 
 def test_concurrent_final_failures_make_one_letter(engine, sandbox) -> None:
     """Eight threads race on one entity: one row, occurrences 8, one Slack message."""
     clock = FrozenClock(datetime(2026, 5, 1, tzinfo=UTC))
-    channels = NotifierResource(slack_webhook_url=f"{os.environ['SANDBOX_URL']}/slack/webhook/ops").channels()
+    channels = NotifierResource(slack=SlackWebhookResource(url=f"{os.environ['SANDBOX_URL']}/slack/webhook/ops")).channels()
     rt = Reliability(engine=engine, channels=channels, clock=clock)
     barrier = threading.Barrier(8)
     created = []
@@ -46,7 +46,7 @@ def test_final_failure_inside_callers_transaction_rolls_back_with_it(engine, san
     import pytest
 
     clock = FrozenClock(datetime(2026, 5, 1, tzinfo=UTC))
-    channels = NotifierResource(slack_webhook_url=f"{os.environ['SANDBOX_URL']}/slack/webhook/ops").channels()
+    channels = NotifierResource(slack=SlackWebhookResource(url=f"{os.environ['SANDBOX_URL']}/slack/webhook/ops")).channels()
     rt = Reliability(engine=engine, channels=channels, clock=clock)
     final = FinalFailure(pipeline="conversion", stage="convert", entity_ref="job-2",
                          failure=Failure.of(Code.BAD_REQUEST), attempts=1, at=clock.now())

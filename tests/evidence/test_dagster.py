@@ -66,7 +66,8 @@ def test_definitions_carry_the_pipeline(fast_defs) -> None:
     assert {"case_api", "merchant_mail", "evidence_options", "evidence_hooks"} <= set(fast_defs.resources)
     job = repo_def.get_job("evidence_file_job")
     assert job.executor_def.name == "in_process"
-    assert [n.name for n in job.nodes if n.definition.retry_policy is not None] == ["attach_file_job_rows"]
+    assert {n.name: n.definition.retry_policy is not None for n in job.nodes} == {
+        "ingest_file_job": True, "attach_file_job_rows": True, "send_file_job_notifications": True}
 
 
 def test_two_file_jobs_with_transient_faults_take_one_run_per_round(fast_settings, inbox, instance, engine, s3, bucket,
