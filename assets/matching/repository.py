@@ -132,15 +132,26 @@ def select_for_requeue(conn: sa.Connection, *, tenant: str | None, statuses: Seq
 
 
 def mark_in_progress(conn: sa.Connection, document_id: str, now: datetime) -> dict[str, Any] | None:
-    """000: the worker picked the message up. One more delivery counted; None if no such document."""
+    """000: the worker picked the message up. One more delivery counted; None if no such document.
+
+    A `succeeded` document stays `succeeded` (a duplicate delivery re-matches it, but it already has
+    its result); anything else becomes `in-progress`."""
+    keep_succeeded = sa.case((document.c.matching_status == SUCCEEDED, SUCCEEDED), else_=IN_PROGRESS)
     row = conn.execute(
         sa.update(document)
         .where(document.c.id == document_id)
-        .values(matching_status=IN_PROGRESS, matching_attempts=document.c.matching_attempts + 1,
+        .values(matching_status=keep_succeeded, matching_attempts=document.c.matching_attempts + 1,
                 matching_started_at=now, updated_at=now)
         .returning(*document.c)
     ).mappings().first()
     return _as_doc(row)
+
+
+def lock_status(conn: sa.Connection, document_id: str) -> str | None:
+    """The document's status, its row locked until the transaction ends: a concurrent write phase
+    (which marks it succeeded) commits before or after this transaction's decision, never between."""
+    return conn.execute(sa.select(document.c.matching_status).where(document.c.id == document_id)
+                        .with_for_update()).scalar()
 
 
 def mark_waiting(conn: sa.Connection, document_id: str, error: str, now: datetime) -> None:

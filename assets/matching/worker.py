@@ -205,33 +205,44 @@ class Worker:
                 except Exception:  # noqa: BLE001 - a missed heartbeat costs a duplicate delivery, not data
                     self.log.warning(f"matching: visibility heartbeat for {doc['id']} failed")
 
+        # 000 as written: a Retry-After longer than the in-process backoff honours ends these retries;
+        # the visibility step (5 / 30 min) takes over.
         return call_with_retries(ask, classify=classify, policy=MATCHING_LLM_BACKOFF,
                                  max_attempts=self.config.llm_max_attempts, sleep=self.sleep,
                                  rng=self.runtime.rng_for(f"{PIPELINE}:{doc['id']}:llm:{doc['matching_attempts']}"),
-                                 on_retry=on_retry)
+                                 on_retry=on_retry, max_server_delay=MATCHING_LLM_BACKOFF.retry_after_ceiling)
 
     # -- after a failure -----------------------------------------------------------------------
 
     def _after_failure(self, message: ReceivedMessage, doc: dict[str, Any], failure: Failure,
                        exc: BaseException, llm_calls: int) -> Outcome:
         rng = self.runtime.rng_for(f"{PIPELINE}:{doc['id']}:delivery:{message.receive_count}")
-        delivery = policy.delivery_decision(failure, message.receive_count, self.config.max_receive_count, rng)
         error = sanitize_text(f"{failure.code}: {failure.message}")[:500]
         now = self.runtime.now()
         base = dict(message_id=message.message_id, document_id=doc["id"], receive_count=message.receive_count,
                     code=failure.code, llm_calls=llm_calls)
+        with self.runtime.engine.begin() as conn:  # decide on the status as it is now, and record, atomically
+            status = repository.lock_status(conn, doc["id"])
+            delivery = policy.delivery_decision(failure, message.receive_count, self.config.max_receive_count, rng,
+                                                status=status)
+            if delivery.action is Action.RETRY_LATER:
+                repository.mark_waiting(conn, doc["id"], error, now)
+            elif delivery.action in (Action.FAILED, Action.LEFT_FOR_DLQ):
+                repository.mark_failed(conn, doc["id"], error, now)
+        if delivery.action is Action.DUPLICATE:
+            deleted = self._sqs(lambda: self.queue.delete(message.receipt_handle),
+                                f"delete of a duplicate of {doc['id']}")
+            self.log.info(f"matching: {doc['id']} already succeeded; a duplicate delivery failed ({failure.code}), "
+                          "result kept, message deleted")
+            return Outcome(action=Action.DUPLICATE, deleted=deleted, **base)
         if delivery.action is Action.RETRY_LATER:
             seconds = policy.visibility_seconds(delivery.delay, self.config.visibility_scale)
-            with self.runtime.engine.begin() as conn:
-                repository.mark_waiting(conn, doc["id"], error, now)
             self._sqs(lambda: self.queue.change_visibility(message.receipt_handle, seconds),
                       f"visibility step of {doc['id']}")
             self.log.info(f"matching: {doc['id']} delivery {message.receive_count} {failure.code}; "
                              f"visible again in {seconds}s")
             return Outcome(action=Action.RETRY_LATER, visibility=seconds, **base)
 
-        with self.runtime.engine.begin() as conn:
-            repository.mark_failed(conn, doc["id"], error, now)
         letter = self._notify(doc["id"], doc["tenant"], failure, doc["matching_attempts"], message,
                               stack=sanitize_exception(exc), llm_calls=llm_calls, outcome=str(delivery.action))
         if delivery.action is Action.FAILED:
