@@ -4,6 +4,7 @@ the per-delivery decision and cluster components. No I/O, no Dagster.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import re
@@ -393,6 +394,15 @@ def visibility_seconds(delay: float, scale: float) -> int:
 
 
 # ------------------------------------------------------------------------------------------- clusters
+
+
+def cluster_lock_keys(tenant: str, cluster_keys: Iterable[str]) -> list[int]:
+    """Advisory lock keys for clusters, sorted: every writer takes its locks in this one order, so two
+    writers never wait for each other crosswise (no deadlock). A cluster's key is its id, or a lone
+    document's own id; a hash collision only serializes two writers that could have run in parallel."""
+    keys = {int.from_bytes(hashlib.blake2b(f"matching:{tenant}:cluster:{k}".encode(), digest_size=8).digest(),
+                           "big", signed=True) for k in cluster_keys}
+    return sorted(keys)
 
 
 def connected_components(nodes: Iterable[str], edges: Iterable[tuple[str, str]]) -> dict[str, str]:

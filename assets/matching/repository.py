@@ -2,7 +2,7 @@
 
 Functions take a `Connection`, so the caller owns the transaction; `write_matches` is the one
 function that owns its own: 000's write phase (delete edges → insert edges → update clusters)
-in a single transaction, serialized per tenant.
+in a single transaction, serialized per cluster it touches.
 """
 
 from __future__ import annotations
@@ -270,8 +270,12 @@ class WriteResult:
     clusters: dict[str, str] = field(default_factory=dict)
 
 
-def _tenant_lock_key(tenant: str) -> sa.ColumnElement[Any]:
-    return sa.func.hashtextextended(f"matching:{tenant}", 0)
+class ClusterLockContention(RuntimeError):
+    """The clusters a write touches kept changing under it (other writers merging or splitting them)."""
+
+
+_LOCK_CLUSTERS = sa.text("SELECT count(pg_advisory_xact_lock(k)) FROM unnest(CAST(:keys AS bigint[])) AS k")
+LOCK_ROUNDS = 5
 
 
 def write_matches(engine: sa.Engine, document_id: str, tenant: str, edges: Sequence[Edge], now: datetime,
@@ -286,40 +290,77 @@ def write_matches(engine: sa.Engine, document_id: str, tenant: str, edges: Seque
 
     plus the document's `succeeded` mark, so a delivery either changes everything or nothing.
 
-    A transaction-scoped advisory lock per tenant comes first: clusters can join any two
-    documents of a tenant, so two deliveries (of the same document — SQS is at-least-once — or of
-    two documents that both match a third) must not compute cluster ids from each other's
-    half-written state. Everything is read after the lock, under READ COMMITTED, so the second
-    writer sees the first one's commit. The lock is held for milliseconds: the LLM call is outside.
+    Transaction-scoped advisory locks on the clusters it touches come first — the clusters of the
+    document and of its new partners (a lone document is its own cluster), in one sorted order
+    (`policy.cluster_lock_keys`). Any change to a cluster's membership is made by a writer that has
+    one of its members among its seeds, so holds its lock: two writers touching a common cluster
+    serialize, and compute cluster ids from each other's commits (READ COMMITTED, everything read
+    after the locks); writers on disjoint clusters of one tenant run in parallel. If the clusters
+    changed while this writer waited (a merge or split committed), the affected set needs a lock it
+    does not hold: it rolls back and takes the larger set, at most LOCK_ROUNDS times. The locks are
+    held for milliseconds: the LLM call is outside.
     """
     hooks = hooks or WriteHooks()
     others = sorted({e.b if e.a == document_id else e.a for e in edges})
-    with engine.begin() as conn:
-        conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_tenant_lock_key(tenant))))
-        hooks.after_lock(conn)
-        current = _cluster_members(conn, tenant, [document_id, *others])
-        if document_id not in current:
-            raise LookupError(f"document {document_id} vanished before its matches were written")
-        affected = set(current)
+    seeds = [document_id, *others]
+    keys: set[str] = set()
+    for _ in range(LOCK_ROUNDS):
+        try:
+            with engine.begin() as conn:
+                if not keys:  # first round: the clusters as they are now, read before locking
+                    keys = set(_cluster_keys(_clusters_by_id(conn, seeds)).values())
+                conn.execute(_LOCK_CLUSTERS, {"keys": policy.cluster_lock_keys(tenant, keys)})
+                hooks.after_lock(conn)
+                return _write_locked(conn, document_id, tenant, seeds, edges, now, hooks, keys)
+        except _NeedsMoreLocks as more:  # rolled back; the locks are released with the transaction
+            keys |= more.keys
+    raise ClusterLockContention(f"the clusters around {document_id} kept changing; {len(keys)} locks wanted")
 
-        conn.execute(sa.delete(document_match).where(
-            sa.or_(document_match.c.document_a_id == document_id, document_match.c.document_b_id == document_id)))
-        hooks.after_delete(conn)
-        if edges:
-            conn.execute(insert(document_match), [
-                {"document_a_id": e.a, "document_b_id": e.b, "tenant": tenant, "confidence": e.confidence,
-                 "reason": e.reason[:500], "created_at": now} for e in edges])
 
-        links = _edges_within(conn, affected)
-        if affected - set(current):  # the closure reached documents outside the clusters read above
-            current.update(_clusters_by_id(conn, sorted(affected - set(current))))
-        clusters = policy.connected_components(affected, links)
-        changes = sorted((d, c) for d, c in clusters.items() if current.get(d) != c)
-        if changes:
-            conn.execute(_SET_CLUSTERS, {"ids": [d for d, _ in changes], "clusters": [c for _, c in changes],
-                                         "now": now})
-        conn.execute(sa.update(document).where(document.c.id == document_id)
-                     .values(matching_status=SUCCEEDED, updated_at=now))
+class _NeedsMoreLocks(Exception):
+    def __init__(self, keys: set[str]) -> None:
+        super().__init__(f"{len(keys)} more cluster locks needed")
+        self.keys = keys
+
+
+def _cluster_keys(clusters: dict[str, str | None]) -> dict[str, str]:
+    """Document → the key of its cluster's lock: its cluster id, or its own id when it has none yet."""
+    return {d: c or d for d, c in clusters.items()}
+
+
+def _write_locked(conn: sa.Connection, document_id: str, tenant: str, seeds: list[str], edges: Sequence[Edge],
+                  now: datetime, hooks: WriteHooks, locked: set[str]) -> WriteResult:
+    """The write under the locks of `locked`; raises `_NeedsMoreLocks` when it touches another cluster."""
+    current = _cluster_members(conn, tenant, seeds)
+    if document_id not in current:
+        raise LookupError(f"document {document_id} vanished before its matches were written")
+    missing = set(_cluster_keys(current).values()) - locked
+    if missing:  # a merge or split committed while we waited
+        raise _NeedsMoreLocks(missing)
+    affected = set(current)
+
+    conn.execute(sa.delete(document_match).where(
+        sa.or_(document_match.c.document_a_id == document_id, document_match.c.document_b_id == document_id)))
+    hooks.after_delete(conn)
+    if edges:
+        conn.execute(insert(document_match), [
+            {"document_a_id": e.a, "document_b_id": e.b, "tenant": tenant, "confidence": e.confidence,
+             "reason": e.reason[:500], "created_at": now} for e in edges])
+
+    links = _edges_within(conn, affected)
+    if affected - set(current):  # the closure reached documents outside the clusters read above
+        outside = _clusters_by_id(conn, sorted(affected - set(current)))
+        missing = set(_cluster_keys(outside).values()) - locked
+        if missing:  # cluster ids that disagree with the edges (older data): lock those clusters too
+            raise _NeedsMoreLocks(missing)
+        current.update(outside)
+    clusters = policy.connected_components(affected, links)
+    changes = sorted((d, c) for d, c in clusters.items() if current.get(d) != c)
+    if changes:
+        conn.execute(_SET_CLUSTERS, {"ids": [d for d, _ in changes], "clusters": [c for _, c in changes],
+                                     "now": now})
+    conn.execute(sa.update(document).where(document.c.id == document_id)
+                 .values(matching_status=SUCCEEDED, updated_at=now))
     return WriteResult(edges=len(edges), affected=len(affected), cluster_id=clusters[document_id],
                        reassigned=len(changes), clusters=clusters)
 

@@ -196,3 +196,12 @@ def test_message_contract() -> None:
     for bad in ('"d-1"', '{"document_id": ""}', '{"document_id": "d", "x": 1}', "not json"):
         with pytest.raises(pydantic.ValidationError):
             policy.MatchingMessage.model_validate_json(bad)
+
+
+def test_cluster_lock_keys_are_sorted_unique_and_per_tenant() -> None:
+    """One global order for every writer (no deadlock); the same cluster in two tenants is two locks."""
+    keys = policy.cluster_lock_keys("t1", ["b", "a", "b"])
+    assert keys == sorted(keys) and len(keys) == 2
+    assert keys == policy.cluster_lock_keys("t1", ["a", "b"])
+    assert set(keys).isdisjoint(policy.cluster_lock_keys("t2", ["a", "b"]))
+    assert all(-(2**63) <= k < 2**63 for k in keys)
