@@ -54,8 +54,6 @@ document = sa.Table(
     # GIN without the pending list: a lookup never scans megabytes of not-yet-merged entries
     sa.Index("ix_document_normalized_references", "normalized_references", postgresql_using="gin",
              postgresql_with={"fastupdate": "off"}),
-    sa.Index("ix_document_embedding_bands", "embedding_bands", postgresql_using="gin",
-             postgresql_with={"fastupdate": "off"}),
     sa.Index("ix_document_tenant_cluster_id", "tenant", "cluster_id"),
     sa.Index("ix_document_tenant_matching_status", "tenant", "matching_status"),
     sa.Index(
@@ -63,6 +61,17 @@ document = sa.Table(
         "matching_started_at",
         postgresql_where=sa.text("matching_status = 'in-progress'"),
     ),
+)
+
+# The LSH bands again, one row per (tenant, band, document), kept equal to `document.embedding_bands`
+# by triggers (migration 0302): band retrieval ranks from this primary key alone, never the documents.
+document_band = sa.Table(
+    "document_band",
+    metadata,
+    sa.Column("tenant", sa.Text, primary_key=True),
+    sa.Column("band", sa.Integer, primary_key=True),
+    sa.Column("document_id", sa.Text, sa.ForeignKey("document.id", ondelete="CASCADE"), primary_key=True),
+    sa.Index("ix_document_band_document_id", "document_id"),
 )
 
 document_match = sa.Table(
@@ -197,6 +206,9 @@ def _as_doc(row: Any) -> dict[str, Any] | None:
 
 # Each signal is a bounded index lookup; the union is re-ranked exactly in numpy (policy.rank_candidates).
 BY_COUNTERPARTY, BY_REFERENCES, BY_EMBEDDING = 100, 100, 100
+# At most this many documents per LSH band value: a band shared by a whole template-made corpus
+# costs a bounded read, not one that grows with the tenant (about 130 per band at 100,000 here).
+PER_BAND = 1000
 
 _RETRIEVE = sa.text(
     """
@@ -211,10 +223,17 @@ _RETRIEVE = sa.text(
         ORDER BY id
         LIMIT :k_references
     ), by_embedding AS (
-        -- the GIN index finds rows sharing any LSH band; more shared bands = smaller angle
-        SELECT id FROM document
-        WHERE embedding_bands && CAST(:bands AS integer[]) AND tenant = :tenant AND id <> :id
-        ORDER BY (SELECT count(*) FROM unnest(embedding_bands) AS b WHERE b = ANY(CAST(:bands AS integer[]))) DESC, id
+        -- rows sharing an LSH band, from document_band's primary key only (index-only scans);
+        -- more shared bands = smaller angle
+        SELECT s.document_id AS id
+        FROM unnest(CAST(:bands AS integer[])) AS q(band)
+        CROSS JOIN LATERAL (
+            SELECT document_id FROM document_band
+            WHERE tenant = :tenant AND band = q.band AND document_id <> :id
+            LIMIT :per_band
+        ) AS s
+        GROUP BY s.document_id
+        ORDER BY count(*) DESC, s.document_id
         LIMIT :k_embedding
     )
     SELECT d.id, d.doc_type, d.counterparty, d.normalized_counterparty, d.normalized_references,
@@ -236,6 +255,7 @@ def retrieve_candidates(conn: sa.Connection, document_id: str, tenant: str, prep
             "counterparty": prepared.normalized_counterparty or "\x00none",
             "references": prepared.normalized_references, "bands": prepared.bands,
             "k_counterparty": BY_COUNTERPARTY, "k_references": BY_REFERENCES, "k_embedding": BY_EMBEDDING,
+            "per_band": PER_BAND,
         },
     ).mappings()
     return [
