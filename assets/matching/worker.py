@@ -22,7 +22,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,7 @@ class WorkerConfig:
     llm_max_attempts: int = 3
     candidate_limit: int = 10
     batch_size: int = 5
+    in_flight: int | None = None  # messages processed at once by a drain; None: two batches
 
 
 @dataclass(frozen=True)
@@ -111,22 +112,32 @@ class Worker:
     def drain(self, *, max_batches: int, wait_seconds: int = 0) -> DrainReport:
         """Receive batches until the queue answers empty (after its long poll) or the batch budget is spent.
 
-        A batch's messages are processed concurrently, one thread each, so none waits out its 60 s
-        visibility behind another's LLM retries.
+        Pipelined: the next batch is received while earlier ones are processed, up to
+        `config.in_flight` messages at once, one thread each. A message is received only when a
+        thread is free for it, so none waits in a buffer while its 60 s visibility runs, and none
+        waits out its visibility behind another's LLM retries.
         """
         outcomes: list[Outcome] = []
         batches = 0
+        size = self.config.batch_size
+        limit = max(size, self.config.in_flight or 2 * size)
         own_http = self.http is None
         if own_http:
-            self.http = httpx.Client(timeout=self.llm.timeout_seconds)
+            self.http = httpx.Client(timeout=self.llm.timeout_seconds,
+                                     limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))
         try:
-            with ThreadPoolExecutor(max_workers=self.config.batch_size, thread_name_prefix="matching") as pool:
+            with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="matching") as pool:
+                running: set[Future[Outcome]] = set()
                 while batches < max_batches:
-                    messages = self.queue.receive(self.config.batch_size, wait_seconds)
+                    while len(running) > limit - size:  # a batch's worth of free threads before receiving
+                        done, running = wait(running, return_when=FIRST_COMPLETED)
+                        outcomes += [f.result() for f in done]
+                    messages = self.queue.receive(size, wait_seconds)
                     if not messages:
                         break
                     batches += 1
-                    outcomes += list(pool.map(self.handle_safely, messages))
+                    running |= {pool.submit(self.handle_safely, m) for m in messages}
+                outcomes += [f.result() for f in wait(running).done]
         finally:
             if own_http and self.http is not None:
                 self.http.close()
