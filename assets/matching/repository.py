@@ -17,6 +17,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, insert
 
 from assets.matching import policy
 from assets.matching.policy import FAILED, IN_PROGRESS, PENDING, SUCCEEDED, Candidate, DocumentIn, Edge, Prepared
+from redrive.failures import Code, ConflictError, Failure
 from redrive.schema import NOW, TZ, metadata
 
 document = sa.Table(
@@ -290,10 +291,6 @@ class WriteResult:
     clusters: dict[str, str] = field(default_factory=dict)
 
 
-class ClusterLockContention(RuntimeError):
-    """The clusters a write touches kept changing under it (other writers merging or splitting them)."""
-
-
 _LOCK_CLUSTERS = sa.text("SELECT count(pg_advisory_xact_lock(k)) FROM unnest(CAST(:keys AS bigint[])) AS k")
 LOCK_ROUNDS = 5
 
@@ -334,7 +331,9 @@ def write_matches(engine: sa.Engine, document_id: str, tenant: str, edges: Seque
                 return _write_locked(conn, document_id, tenant, seeds, edges, now, hooks, keys)
         except _NeedsMoreLocks as more:  # rolled back; the locks are released with the transaction
             keys |= more.keys
-    raise ClusterLockContention(f"the clusters around {document_id} kept changing; {len(keys)} locks wanted")
+    # other writers kept merging or splitting these clusters: a conflict, retried through SQS (000: transient)
+    raise ConflictError(Failure.of(Code.CONFLICT, message=f"the clusters around {document_id} kept changing",
+                                   detail=f"{len(keys)} cluster locks wanted after {LOCK_ROUNDS} rounds"))
 
 
 class _NeedsMoreLocks(Exception):
