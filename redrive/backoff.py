@@ -247,7 +247,7 @@ MATCHMAKING_BACKOFF = FixedSchedule((30.0, 120.0, 300.0))  # 001 retry policy
 # 000: in-process LLM retries. A Retry-After may stretch a wait to 20 s, no more: the worker sleeps
 # while holding the SQS message, whose 60 s visibility timeout must outlast both waits.
 MATCHING_LLM_BACKOFF = FixedSchedule((2.0, 4.0, 8.0), retry_after_ceiling=20.0)
-# 000: visibility extension by receive count (1 -> 5 min, 2 -> 30 min); the ceiling lets a
-# Retry-After stretch a wait to the longer step, never beyond it.
-MATCHING_VISIBILITY_BACKOFF = FixedSchedule((300.0, 1800.0), retry_after_ceiling=1800.0)
+# 000: visibility extension by receive count (1 -> 5 min, 2 -> 30 min), as written: a Retry-After
+# never stretches a step (ceiling 0); a long one ends the in-process retries instead.
+MATCHING_VISIBILITY_BACKOFF = FixedSchedule((300.0, 1800.0), retry_after_ceiling=0.0)
 EVIDENCE_BACKOFF = MultiplicativeJitter()  # 004 §3

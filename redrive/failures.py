@@ -324,6 +324,22 @@ _BODY_CODES: Mapping[str, Code] = {
 
 _IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_.:-]{0,63}")
 
+# Some providers name a context-window overflow only in words ("This model's maximum context length
+# is 8192 tokens…", "prompt is too long"), with no code: a 4xx saying so is that failure (000's table).
+_CONTEXT_WINDOW_WORDS = re.compile(
+    r"context[ _-]?(?:length|window)|maximum context|prompt is too long|too many (?:input )?tokens", re.IGNORECASE
+)
+
+
+def _body_message(parsed: object, body: bytes | str | Mapping[str, object] | None) -> str:
+    """The error's human message (`error.message` or `message`), else the start of the raw body."""
+    if isinstance(parsed, Mapping):
+        err = parsed.get("error")
+        for value in (err.get("message") if isinstance(err, Mapping) else None, parsed.get("message")):
+            if isinstance(value, str):
+                return value
+    return _body_excerpt(body) if isinstance(body, bytes | str) else ""
+
 
 def _parse_body(body: bytes | str | Mapping[str, object] | None) -> object:
     if body is None or isinstance(body, Mapping):
@@ -397,6 +413,8 @@ def classify_http(
     codes = _body_codes(parsed)
     body_code = next((c for c in codes if c.lower() in _BODY_CODES), None)
     code = _BODY_CODES[body_code.lower()] if body_code else _code_for_status(status)
+    if body_code is None and 400 <= status < 500 and _CONTEXT_WINDOW_WORDS.search(_body_message(parsed, body)):
+        code = Code.CONTEXT_LENGTH_EXCEEDED
     retry_after = parse_retry_after(_header(headers, "retry-after"), now)
     label = body_code or (codes[0] if codes else None)
     message = f"upstream answered {status}" + (f" ({label})" if label else "")

@@ -32,12 +32,16 @@ def call_with_retries(
     sleep: Sleep = time.sleep,
     rng: random.Random | None = None,
     on_retry: Callable[[Failure, int, float], None] | None = None,
+    max_server_delay: float | None = None,
 ) -> T:
     """Call ``fn`` up to ``max_attempts`` times (first call included) and return its result.
 
     Between attempts it waits ``policy.delay(attempt, rng, failure.retry_after)``, where ``attempt``
     is the 1-based number of the call that just failed. A non-retryable failure stops at once.
     ``on_retry(failure, attempt, delay)`` is called before each wait, e.g. to log or count.
+    A server that asks (``Retry-After``) for more than ``max_server_delay`` seconds ends the loop at
+    once, the failure still retryable: a caller with a longer-lived retry (SQS visibility, a durable
+    timer) takes over instead of holding the work while it waits.
 
     Raises the :class:`RedriveError` subclass matching the last failure, ``from`` the last exception,
     with ``.attempts`` set to the number of calls made. ``BaseException`` that is not an
@@ -81,9 +85,14 @@ def call_with_retries(
         calls += 1
         return fn()
 
+    def server_asks_too_long(state: tenacity.RetryCallState) -> bool:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        asked = failure_of(exc).retry_after if exc is not None else None
+        return max_server_delay is not None and asked is not None and asked > max_server_delay
+
     retrying = tenacity.Retrying(
         sleep=sleep,
-        stop=tenacity.stop_after_attempt(max_attempts),
+        stop=tenacity.stop_any(tenacity.stop_after_attempt(max_attempts), server_asks_too_long),
         wait=wait,
         retry=should_retry,
         before_sleep=before_sleep,

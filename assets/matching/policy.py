@@ -4,6 +4,7 @@ the per-delivery decision and cluster components. No I/O, no Dagster.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import re
@@ -358,6 +359,7 @@ class Action(StrEnum):
     RETRY_LATER = "retry_later"  # transient: ChangeMessageVisibility to the receive count's step
     LEFT_FOR_DLQ = "left_for_dlq"  # transient on the last delivery: mark failed, notify, keep the message
     QUARANTINED = "quarantined"  # malformed message: moved to the DLQ by us, dead letter + alert
+    DUPLICATE = "duplicate"  # a redelivery of an already succeeded document failed: result kept, message deleted
 
 
 @dataclass(frozen=True)
@@ -367,11 +369,17 @@ class Delivery:
 
 
 def delivery_decision(failure: Failure, receive_count: int, max_receive_count: int, rng: random.Random,
-                      policy: BackoffPolicy = MATCHING_VISIBILITY_BACKOFF) -> Delivery:
+                      policy: BackoffPolicy = MATCHING_VISIBILITY_BACKOFF, *,
+                      status: str | None = IN_PROGRESS) -> Delivery:
     """000's flow after in-process retries: receive count 1 → 5 min, 2 → 30 min, 3 → failed, left for the DLQ.
 
-    A non-transient failure fails at once, whatever the receive count.
+    A non-transient failure fails at once, whatever the receive count. `status` is the document's
+    status when the failure is recorded: a `succeeded` document (SQS delivered it twice) keeps its
+    result, so this delivery only ends (000: delete on a definitive outcome) — never back to pending.
+    The steps are the policy's, whatever a `Retry-After` said (000 as written).
     """
+    if status == SUCCEEDED:
+        return Delivery(Action.DUPLICATE)
     decision = decide(failure, max(1, receive_count), max_receive_count, policy, rng)
     if decision.retry:
         return Delivery(Action.RETRY_LATER, decision.delay)
@@ -386,6 +394,15 @@ def visibility_seconds(delay: float, scale: float) -> int:
 
 
 # ------------------------------------------------------------------------------------------- clusters
+
+
+def cluster_lock_keys(tenant: str, cluster_keys: Iterable[str]) -> list[int]:
+    """Advisory lock keys for clusters, sorted: every writer takes its locks in this one order, so two
+    writers never wait for each other crosswise (no deadlock). A cluster's key is its id, or a lone
+    document's own id; a hash collision only serializes two writers that could have run in parallel."""
+    keys = {int.from_bytes(hashlib.blake2b(f"matching:{tenant}:cluster:{k}".encode(), digest_size=8).digest(),
+                           "big", signed=True) for k in cluster_keys}
+    return sorted(keys)
 
 
 def connected_components(nodes: Iterable[str], edges: Iterable[tuple[str, str]]) -> dict[str, str]:

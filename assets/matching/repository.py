@@ -2,7 +2,7 @@
 
 Functions take a `Connection`, so the caller owns the transaction; `write_matches` is the one
 function that owns its own: 000's write phase (delete edges → insert edges → update clusters)
-in a single transaction, serialized per tenant.
+in a single transaction, serialized per cluster it touches.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from assets.matching import policy
 from assets.matching.policy import FAILED, IN_PROGRESS, PENDING, SUCCEEDED, Candidate, DocumentIn, Edge, Prepared
 from redrive import deadletters
 from redrive.deadletters import FinalFailure
-from redrive.failures import Failure
+from redrive.failures import Code, ConflictError, Failure
 from redrive.schema import NOW, TZ, metadata
 
 document = sa.Table(
@@ -57,8 +57,6 @@ document = sa.Table(
     # GIN without the pending list: a lookup never scans megabytes of not-yet-merged entries
     sa.Index("ix_document_normalized_references", "normalized_references", postgresql_using="gin",
              postgresql_with={"fastupdate": "off"}),
-    sa.Index("ix_document_embedding_bands", "embedding_bands", postgresql_using="gin",
-             postgresql_with={"fastupdate": "off"}),
     sa.Index("ix_document_tenant_cluster_id", "tenant", "cluster_id"),
     sa.Index("ix_document_tenant_matching_status", "tenant", "matching_status"),
     sa.Index(
@@ -66,6 +64,17 @@ document = sa.Table(
         "matching_started_at",
         postgresql_where=sa.text("matching_status = 'in-progress'"),
     ),
+)
+
+# The LSH bands again, one row per (tenant, band, document), kept equal to `document.embedding_bands`
+# by triggers (migration 0302): band retrieval ranks from this primary key alone, never the documents.
+document_band = sa.Table(
+    "document_band",
+    metadata,
+    sa.Column("tenant", sa.Text, primary_key=True),
+    sa.Column("band", sa.Integer, primary_key=True),
+    sa.Column("document_id", sa.Text, sa.ForeignKey("document.id", ondelete="CASCADE"), primary_key=True),
+    sa.Index("ix_document_band_document_id", "document_id"),
 )
 
 document_match = sa.Table(
@@ -135,15 +144,26 @@ def select_for_requeue(conn: sa.Connection, *, tenant: str | None, statuses: Seq
 
 
 def mark_in_progress(conn: sa.Connection, document_id: str, now: datetime) -> dict[str, Any] | None:
-    """000: the worker picked the message up. One more delivery counted; None if no such document."""
+    """000: the worker picked the message up. One more delivery counted; None if no such document.
+
+    A `succeeded` document stays `succeeded` (a duplicate delivery re-matches it, but it already has
+    its result); anything else becomes `in-progress`."""
+    keep_succeeded = sa.case((document.c.matching_status == SUCCEEDED, SUCCEEDED), else_=IN_PROGRESS)
     row = conn.execute(
         sa.update(document)
         .where(document.c.id == document_id)
-        .values(matching_status=IN_PROGRESS, matching_attempts=document.c.matching_attempts + 1,
+        .values(matching_status=keep_succeeded, matching_attempts=document.c.matching_attempts + 1,
                 matching_started_at=now, updated_at=now)
         .returning(*document.c)
     ).mappings().first()
     return _as_doc(row)
+
+
+def lock_status(conn: sa.Connection, document_id: str) -> str | None:
+    """The document's status, its row locked until the transaction ends: a concurrent write phase
+    (which marks it succeeded) commits before or after this transaction's decision, never between."""
+    return conn.execute(sa.select(document.c.matching_status).where(document.c.id == document_id)
+                        .with_for_update()).scalar()
 
 
 def mark_waiting(conn: sa.Connection, document_id: str, error: str, now: datetime) -> None:
@@ -189,6 +209,9 @@ def _as_doc(row: Any) -> dict[str, Any] | None:
 
 # Each signal is a bounded index lookup; the union is re-ranked exactly in numpy (policy.rank_candidates).
 BY_COUNTERPARTY, BY_REFERENCES, BY_EMBEDDING = 100, 100, 100
+# At most this many documents per LSH band value: a band shared by a whole template-made corpus
+# costs a bounded read, not one that grows with the tenant (about 130 per band at 100,000 here).
+PER_BAND = 1000
 
 _RETRIEVE = sa.text(
     """
@@ -203,10 +226,17 @@ _RETRIEVE = sa.text(
         ORDER BY id
         LIMIT :k_references
     ), by_embedding AS (
-        -- the GIN index finds rows sharing any LSH band; more shared bands = smaller angle
-        SELECT id FROM document
-        WHERE embedding_bands && CAST(:bands AS integer[]) AND tenant = :tenant AND id <> :id
-        ORDER BY (SELECT count(*) FROM unnest(embedding_bands) AS b WHERE b = ANY(CAST(:bands AS integer[]))) DESC, id
+        -- rows sharing an LSH band, from document_band's primary key only (index-only scans);
+        -- more shared bands = smaller angle
+        SELECT s.document_id AS id
+        FROM unnest(CAST(:bands AS integer[])) AS q(band)
+        CROSS JOIN LATERAL (
+            SELECT document_id FROM document_band
+            WHERE tenant = :tenant AND band = q.band AND document_id <> :id
+            LIMIT :per_band
+        ) AS s
+        GROUP BY s.document_id
+        ORDER BY count(*) DESC, s.document_id
         LIMIT :k_embedding
     )
     SELECT d.id, d.doc_type, d.counterparty, d.normalized_counterparty, d.normalized_references,
@@ -228,6 +258,7 @@ def retrieve_candidates(conn: sa.Connection, document_id: str, tenant: str, prep
             "counterparty": prepared.normalized_counterparty or "\x00none",
             "references": prepared.normalized_references, "bands": prepared.bands,
             "k_counterparty": BY_COUNTERPARTY, "k_references": BY_REFERENCES, "k_embedding": BY_EMBEDDING,
+            "per_band": PER_BAND,
         },
     ).mappings()
     return [
@@ -262,8 +293,8 @@ class WriteResult:
     clusters: dict[str, str] = field(default_factory=dict)
 
 
-def _tenant_lock_key(tenant: str) -> sa.ColumnElement[Any]:
-    return sa.func.hashtextextended(f"matching:{tenant}", 0)
+_LOCK_CLUSTERS = sa.text("SELECT count(pg_advisory_xact_lock(k)) FROM unnest(CAST(:keys AS bigint[])) AS k")
+LOCK_ROUNDS = 5
 
 
 def write_matches(engine: sa.Engine, document_id: str, tenant: str, edges: Sequence[Edge], now: datetime,
@@ -278,40 +309,79 @@ def write_matches(engine: sa.Engine, document_id: str, tenant: str, edges: Seque
 
     plus the document's `succeeded` mark, so a delivery either changes everything or nothing.
 
-    A transaction-scoped advisory lock per tenant comes first: clusters can join any two
-    documents of a tenant, so two deliveries (of the same document — SQS is at-least-once — or of
-    two documents that both match a third) must not compute cluster ids from each other's
-    half-written state. Everything is read after the lock, under READ COMMITTED, so the second
-    writer sees the first one's commit. The lock is held for milliseconds: the LLM call is outside.
+    Transaction-scoped advisory locks on the clusters it touches come first — the clusters of the
+    document and of its new partners (a lone document is its own cluster), in one sorted order
+    (`policy.cluster_lock_keys`). Any change to a cluster's membership is made by a writer that has
+    one of its members among its seeds, so holds its lock: two writers touching a common cluster
+    serialize, and compute cluster ids from each other's commits (READ COMMITTED, everything read
+    after the locks); writers on disjoint clusters of one tenant run in parallel. If the clusters
+    changed while this writer waited (a merge or split committed), the affected set needs a lock it
+    does not hold: it rolls back and takes the larger set, at most LOCK_ROUNDS times. The locks are
+    held for milliseconds: the LLM call is outside.
     """
     hooks = hooks or WriteHooks()
     others = sorted({e.b if e.a == document_id else e.a for e in edges})
-    with engine.begin() as conn:
-        conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_tenant_lock_key(tenant))))
-        hooks.after_lock(conn)
-        current = _cluster_members(conn, tenant, [document_id, *others])
-        if document_id not in current:
-            raise LookupError(f"document {document_id} vanished before its matches were written")
-        affected = set(current)
+    seeds = [document_id, *others]
+    keys: set[str] = set()
+    for _ in range(LOCK_ROUNDS):
+        try:
+            with engine.begin() as conn:
+                if not keys:  # first round: the clusters as they are now, read before locking
+                    keys = set(_cluster_keys(_clusters_by_id(conn, seeds)).values())
+                conn.execute(_LOCK_CLUSTERS, {"keys": policy.cluster_lock_keys(tenant, keys)})
+                hooks.after_lock(conn)
+                return _write_locked(conn, document_id, tenant, seeds, edges, now, hooks, keys)
+        except _NeedsMoreLocks as more:  # rolled back; the locks are released with the transaction
+            keys |= more.keys
+    # other writers kept merging or splitting these clusters: a conflict, retried through SQS (000: transient)
+    raise ConflictError(Failure.of(Code.CONFLICT, message=f"the clusters around {document_id} kept changing",
+                                   detail=f"{len(keys)} cluster locks wanted after {LOCK_ROUNDS} rounds"))
 
-        conn.execute(sa.delete(document_match).where(
-            sa.or_(document_match.c.document_a_id == document_id, document_match.c.document_b_id == document_id)))
-        hooks.after_delete(conn)
-        if edges:
-            conn.execute(insert(document_match), [
-                {"document_a_id": e.a, "document_b_id": e.b, "tenant": tenant, "confidence": e.confidence,
-                 "reason": e.reason[:500], "created_at": now} for e in edges])
 
-        links = _edges_within(conn, affected)
-        if affected - set(current):  # the closure reached documents outside the clusters read above
-            current.update(_clusters_by_id(conn, sorted(affected - set(current))))
-        clusters = policy.connected_components(affected, links)
-        changes = sorted((d, c) for d, c in clusters.items() if current.get(d) != c)
-        if changes:
-            conn.execute(_SET_CLUSTERS, {"ids": [d for d, _ in changes], "clusters": [c for _, c in changes],
-                                         "now": now})
-        conn.execute(sa.update(document).where(document.c.id == document_id)
-                     .values(matching_status=SUCCEEDED, updated_at=now))
+class _NeedsMoreLocks(Exception):
+    def __init__(self, keys: set[str]) -> None:
+        super().__init__(f"{len(keys)} more cluster locks needed")
+        self.keys = keys
+
+
+def _cluster_keys(clusters: dict[str, str | None]) -> dict[str, str]:
+    """Document → the key of its cluster's lock: its cluster id, or its own id when it has none yet."""
+    return {d: c or d for d, c in clusters.items()}
+
+
+def _write_locked(conn: sa.Connection, document_id: str, tenant: str, seeds: list[str], edges: Sequence[Edge],
+                  now: datetime, hooks: WriteHooks, locked: set[str]) -> WriteResult:
+    """The write under the locks of `locked`; raises `_NeedsMoreLocks` when it touches another cluster."""
+    current = _cluster_members(conn, tenant, seeds)
+    if document_id not in current:
+        raise LookupError(f"document {document_id} vanished before its matches were written")
+    missing = set(_cluster_keys(current).values()) - locked
+    if missing:  # a merge or split committed while we waited
+        raise _NeedsMoreLocks(missing)
+    affected = set(current)
+
+    conn.execute(sa.delete(document_match).where(
+        sa.or_(document_match.c.document_a_id == document_id, document_match.c.document_b_id == document_id)))
+    hooks.after_delete(conn)
+    if edges:
+        conn.execute(insert(document_match), [
+            {"document_a_id": e.a, "document_b_id": e.b, "tenant": tenant, "confidence": e.confidence,
+             "reason": e.reason[:500], "created_at": now} for e in edges])
+
+    links = _edges_within(conn, affected)
+    if affected - set(current):  # the closure reached documents outside the clusters read above
+        outside = _clusters_by_id(conn, sorted(affected - set(current)))
+        missing = set(_cluster_keys(outside).values()) - locked
+        if missing:  # cluster ids that disagree with the edges (older data): lock those clusters too
+            raise _NeedsMoreLocks(missing)
+        current.update(outside)
+    clusters = policy.connected_components(affected, links)
+    changes = sorted((d, c) for d, c in clusters.items() if current.get(d) != c)
+    if changes:
+        conn.execute(_SET_CLUSTERS, {"ids": [d for d, _ in changes], "clusters": [c for _, c in changes],
+                                     "now": now})
+    conn.execute(sa.update(document).where(document.c.id == document_id)
+                 .values(matching_status=SUCCEEDED, updated_at=now))
     return WriteResult(edges=len(edges), affected=len(affected), cluster_id=clusters[document_id],
                        reassigned=len(changes), clusters=clusters)
 

@@ -22,7 +22,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,7 @@ class WorkerConfig:
     llm_max_attempts: int = 3
     candidate_limit: int = 10
     batch_size: int = 5
+    in_flight: int | None = None  # messages processed at once by a drain; None: two batches
 
 
 @dataclass(frozen=True)
@@ -111,22 +112,32 @@ class Worker:
     def drain(self, *, max_batches: int, wait_seconds: int = 0) -> DrainReport:
         """Receive batches until the queue answers empty (after its long poll) or the batch budget is spent.
 
-        A batch's messages are processed concurrently, one thread each, so none waits out its 60 s
-        visibility behind another's LLM retries.
+        Pipelined: the next batch is received while earlier ones are processed, up to
+        `config.in_flight` messages at once, one thread each. A message is received only when a
+        thread is free for it, so none waits in a buffer while its 60 s visibility runs, and none
+        waits out its visibility behind another's LLM retries.
         """
         outcomes: list[Outcome] = []
         batches = 0
+        size = self.config.batch_size
+        limit = max(size, self.config.in_flight or 2 * size)
         own_http = self.http is None
         if own_http:
-            self.http = httpx.Client(timeout=self.llm.timeout_seconds)
+            self.http = httpx.Client(timeout=self.llm.timeout_seconds,
+                                     limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))
         try:
-            with ThreadPoolExecutor(max_workers=self.config.batch_size, thread_name_prefix="matching") as pool:
+            with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="matching") as pool:
+                running: set[Future[Outcome]] = set()
                 while batches < max_batches:
-                    messages = self.queue.receive(self.config.batch_size, wait_seconds)
+                    while len(running) > limit - size:  # a batch's worth of free threads before receiving
+                        done, running = wait(running, return_when=FIRST_COMPLETED)
+                        outcomes += [f.result() for f in done]
+                    messages = self.queue.receive(size, wait_seconds)
                     if not messages:
                         break
                     batches += 1
-                    outcomes += list(pool.map(self.handle_safely, messages))
+                    running |= {pool.submit(self.handle_safely, m) for m in messages}
+                outcomes += [f.result() for f in wait(running).done]
         finally:
             if own_http and self.http is not None:
                 self.http.close()
@@ -205,33 +216,44 @@ class Worker:
                 except Exception:  # noqa: BLE001 - a missed heartbeat costs a duplicate delivery, not data
                     self.log.warning(f"matching: visibility heartbeat for {doc['id']} failed")
 
+        # 000 as written: a Retry-After longer than the in-process backoff honours ends these retries;
+        # the visibility step (5 / 30 min) takes over.
         return call_with_retries(ask, classify=classify, policy=MATCHING_LLM_BACKOFF,
                                  max_attempts=self.config.llm_max_attempts, sleep=self.sleep,
                                  rng=self.runtime.rng_for(f"{PIPELINE}:{doc['id']}:llm:{doc['matching_attempts']}"),
-                                 on_retry=on_retry)
+                                 on_retry=on_retry, max_server_delay=MATCHING_LLM_BACKOFF.retry_after_ceiling)
 
     # -- after a failure -----------------------------------------------------------------------
 
     def _after_failure(self, message: ReceivedMessage, doc: dict[str, Any], failure: Failure,
                        exc: BaseException, llm_calls: int) -> Outcome:
         rng = self.runtime.rng_for(f"{PIPELINE}:{doc['id']}:delivery:{message.receive_count}")
-        delivery = policy.delivery_decision(failure, message.receive_count, self.config.max_receive_count, rng)
         error = sanitize_text(f"{failure.code}: {failure.message}")[:500]
         now = self.runtime.now()
         base = dict(message_id=message.message_id, document_id=doc["id"], receive_count=message.receive_count,
                     code=failure.code, llm_calls=llm_calls)
+        with self.runtime.engine.begin() as conn:  # decide on the status as it is now, and record, atomically
+            status = repository.lock_status(conn, doc["id"])
+            delivery = policy.delivery_decision(failure, message.receive_count, self.config.max_receive_count, rng,
+                                                status=status)
+            if delivery.action is Action.RETRY_LATER:
+                repository.mark_waiting(conn, doc["id"], error, now)
+            elif delivery.action in (Action.FAILED, Action.LEFT_FOR_DLQ):
+                repository.mark_failed(conn, doc["id"], error, now)
+        if delivery.action is Action.DUPLICATE:
+            deleted = self._sqs(lambda: self.queue.delete(message.receipt_handle),
+                                f"delete of a duplicate of {doc['id']}")
+            self.log.info(f"matching: {doc['id']} already succeeded; a duplicate delivery failed ({failure.code}), "
+                          "result kept, message deleted")
+            return Outcome(action=Action.DUPLICATE, deleted=deleted, **base)
         if delivery.action is Action.RETRY_LATER:
             seconds = policy.visibility_seconds(delivery.delay, self.config.visibility_scale)
-            with self.runtime.engine.begin() as conn:
-                repository.mark_waiting(conn, doc["id"], error, now)
             self._sqs(lambda: self.queue.change_visibility(message.receipt_handle, seconds),
                       f"visibility step of {doc['id']}")
             self.log.info(f"matching: {doc['id']} delivery {message.receive_count} {failure.code}; "
                              f"visible again in {seconds}s")
             return Outcome(action=Action.RETRY_LATER, visibility=seconds, **base)
 
-        with self.runtime.engine.begin() as conn:
-            repository.mark_failed(conn, doc["id"], error, now)
         letter = self._notify(doc["id"], doc["tenant"], failure, doc["matching_attempts"], message,
                               stack=sanitize_exception(exc), llm_calls=llm_calls, outcome=str(delivery.action))
         if delivery.action is Action.FAILED:

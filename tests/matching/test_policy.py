@@ -74,10 +74,21 @@ def test_non_transient_fails_on_any_delivery(receive_count: int) -> None:
     assert policy.delivery_decision(failure, receive_count, 3, random.Random(1)).action is Action.FAILED
 
 
-def test_retry_after_can_stretch_a_visibility_step_but_not_past_30_minutes() -> None:
-    """A server asking for 1 hour on the first delivery gets the 30-minute ceiling, not more."""
-    failure = MATCHING.apply(Failure.of(Code.RATE_LIMITED, retry_after=3600.0))
-    assert policy.delivery_decision(failure, 1, 3, random.Random(1)).delay == 1800.0
+@pytest.mark.parametrize(("receive_count", "retry_after", "delay"), [
+    (1, 1000.0, 300.0), (1, 3600.0, 300.0), (2, 3600.0, 1800.0), (1, 10.0, 300.0)])
+def test_retry_after_never_stretches_a_visibility_step(receive_count: int, retry_after: float, delay: float) -> None:
+    """000 as written: the steps stay 5 and 30 minutes whatever a server's Retry-After asks."""
+    failure = MATCHING.apply(Failure.of(Code.RATE_LIMITED, retry_after=retry_after))
+    assert policy.delivery_decision(failure, receive_count, 3, random.Random(1)).delay == delay
+
+
+@pytest.mark.parametrize("code", [Code.UPSTREAM_UNAVAILABLE, Code.AUTH_DENIED])
+@pytest.mark.parametrize("receive_count", [1, 3])
+def test_failed_redelivery_of_a_succeeded_document_is_a_duplicate(code: Code, receive_count: int) -> None:
+    """A document already succeeded keeps its result: the failed delivery only ends, never pending or failed."""
+    failure = MATCHING.apply(Failure.of(code))
+    decision = policy.delivery_decision(failure, receive_count, 3, random.Random(1), status="succeeded")
+    assert decision == policy.Delivery(Action.DUPLICATE)
 
 
 def test_llm_backoff_is_2_4_8_and_scales() -> None:
@@ -185,3 +196,12 @@ def test_message_contract() -> None:
     for bad in ('"d-1"', '{"document_id": ""}', '{"document_id": "d", "x": 1}', "not json"):
         with pytest.raises(pydantic.ValidationError):
             policy.MatchingMessage.model_validate_json(bad)
+
+
+def test_cluster_lock_keys_are_sorted_unique_and_per_tenant() -> None:
+    """One global order for every writer (no deadlock); the same cluster in two tenants is two locks."""
+    keys = policy.cluster_lock_keys("t1", ["b", "a", "b"])
+    assert keys == sorted(keys) and len(keys) == 2
+    assert keys == policy.cluster_lock_keys("t1", ["a", "b"])
+    assert set(keys).isdisjoint(policy.cluster_lock_keys("t2", ["a", "b"]))
+    assert all(-(2**63) <= k < 2**63 for k in keys)

@@ -56,10 +56,12 @@ FROM generate_series(1, :n) AS i
 
 
 def test_retrieval_query_uses_its_indexes_not_a_scan(engine, queue) -> None:
-    """On 20,000 documents the plan reads the counterparty, reference and band indexes, never a table scan."""
+    """On 20,000 documents the plan reads the counterparty and reference indexes and the band table's key
+    (index only, filled by the insert trigger), never a table scan."""
     with engine.begin() as conn:
         conn.execute(sa.text(BULK), {"tenant": TENANT, "n": 20000})
         conn.execute(sa.text("ANALYZE document"))
+        conn.execute(sa.text("ANALYZE document_band"))
     ingest(engine, queue, doc("q", counterparty="vendor 7", references=["PO 7"]))
     prepared = policy.prepare(row(engine, "q"))
     with engine.connect() as conn:
@@ -67,12 +69,12 @@ def test_retrieval_query_uses_its_indexes_not_a_scan(engine, queue) -> None:
             sa.text("EXPLAIN " + str(repository._RETRIEVE)),
             {"id": "q", "tenant": TENANT, "counterparty": prepared.normalized_counterparty,
              "references": prepared.normalized_references, "bands": prepared.bands,
-             "k_counterparty": 100, "k_references": 100, "k_embedding": 100}))
+             "k_counterparty": 100, "k_references": 100, "k_embedding": 100, "per_band": repository.PER_BAND}))
         found = repository.retrieve_candidates(conn, "q", TENANT, prepared)
     for index in ("ix_document_tenant_normalized_counterparty", "ix_document_normalized_references",
-                  "ix_document_embedding_bands"):
+                  "Index Only Scan using pk_document_band"):
         assert index in plan, plan
-    assert "Seq Scan on document" not in plan, plan
+    assert "Seq Scan on document" not in plan, plan  # neither documents nor bands
     assert {"bulk-7", "bulk-2007"} <= {c.id for c in found}  # same counterparty and reference PO7
     assert len(found) <= repository.BY_COUNTERPARTY + repository.BY_REFERENCES + repository.BY_EMBEDDING
 
@@ -86,3 +88,22 @@ def test_lsh_neighbours_share_bands_and_strangers_rarely_do() -> None:
     shared = lambda a, b: len(set(policy.lsh_bands(e.embed(a))) & set(policy.lsh_bands(e.embed(b))))  # noqa: E731
     assert shared(base, near) >= 2
     assert shared(base, far) < shared(base, near)
+
+
+def test_band_table_follows_the_documents_bands(engine, queue) -> None:
+    """The triggers keep document_band equal to embedding_bands: filled by pre-processing, replaced when the
+    bands change, untouched by status updates, gone with the document."""
+    ingest(engine, queue, doc("q", text="steel beams, 40 pieces"))
+    bands = lambda: sorted(r[0] for r in conn.execute(  # noqa: E731
+        sa.text("SELECT band FROM document_band WHERE document_id = 'q'")))
+    with engine.begin() as conn:
+        assert bands() == []
+    prepare(engine, "q")
+    with engine.begin() as conn:
+        assert bands() == sorted(row(engine, "q")["embedding_bands"]) and len(bands()) == policy.LSH_BANDS
+        conn.execute(sa.text("UPDATE document SET embedding_bands = ARRAY[1, 2] WHERE id = 'q'"))
+        assert bands() == [1, 2]
+        conn.execute(sa.text("UPDATE document SET matching_status = 'succeeded' WHERE id = 'q'"))
+        assert bands() == [1, 2]
+        conn.execute(sa.text("DELETE FROM document WHERE id = 'q'"))
+        assert bands() == []

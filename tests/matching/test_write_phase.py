@@ -51,6 +51,7 @@ def test_failure_between_delete_and_insert_leaves_previous_state(documents) -> N
     before = state(documents)
     assert before == ([("a", "b"), ("b", "c")], {"a": "a", "b": "a", "c": "a", "d": None})
     with documents.begin() as conn:
+        repository.mark_pending(conn, ["b"])  # re-queued (a succeeded document would stay succeeded)
         repository.mark_in_progress(conn, "b", NOW)  # a new delivery of b is being written
     with pytest.raises(InjectedFailure):
         repository.write_matches(documents, "b", TENANT, [edge("b", "d")], NOW,
@@ -66,6 +67,8 @@ def test_injected_db_failure_in_the_flow_retries_through_sqs_with_state_intact(
     prepare(engine, "a", "c")
     drop_messages(queue)
     repository.write_matches(engine, "b", TENANT, [edge("a", "b")], NOW)
+    with engine.begin() as conn:
+        repository.mark_pending(conn, ["b"])  # re-queued: a new match of b is wanted
     before = state(engine)
 
     def deadlock(conn: sa.Connection) -> None:
@@ -123,11 +126,11 @@ def wait_for_lock_waiter(conn: sa.Connection, timeout: float = 10.0) -> None:
         if waiting:
             return
         time.sleep(0.01)
-    raise AssertionError("the second writer never waited for the tenant lock")
+    raise AssertionError("the second writer never waited for a cluster lock")
 
 
 def test_two_documents_joining_one_cluster_concurrently_stay_consistent(documents, engine) -> None:
-    """d joins c's cluster while b drops its link to a: the second writer waits for the tenant lock and
+    """d joins c's cluster while b drops its link to a: the second writer waits for the cluster lock and
     computes clusters from the first one's commit, so d follows c into b's new cluster."""
     entered = threading.Event()
 
@@ -171,4 +174,58 @@ def test_two_deliveries_of_the_same_document_at_once(engine, queue, sandbox, mak
     with engine.connect() as conn:
         edges = repository.edges_of(conn, TENANT)
         assert len(edges) == 1 and "x" in edges[0]
+        assert repository.cluster_inconsistencies(conn, TENANT) == []
+
+
+def test_writes_on_disjoint_clusters_of_one_tenant_proceed_in_parallel(documents, engine, queue) -> None:
+    """The first writer holds its cluster locks until the second, on another cluster of the same tenant,
+    has committed: the second never waits (a tenant-wide lock would block it until the guard fails)."""
+    ingest(engine, queue, doc("e"))
+    second_done = threading.Event()
+
+    def hold_until_second_commits(conn: sa.Connection) -> None:
+        if not second_done.wait(20):  # liveness guard only: the second writer is blocked
+            raise AssertionError("the write on a disjoint cluster waited for this one's lock")
+
+    def first() -> None:
+        repository.write_matches(engine, "d", TENANT, [edge("d", "e")], NOW,
+                                 WriteHooks(after_lock=hold_until_second_commits))
+
+    def second() -> None:
+        repository.write_matches(engine, "b", TENANT, [edge("a", "b")], NOW)  # b drops its link to c
+        second_done.set()
+
+    assert run_together(first, second) == []
+    edges, clusters = state(engine)
+    assert edges == [("a", "b"), ("d", "e")]
+    assert clusters == {"a": "a", "b": "a", "c": "c", "d": "d", "e": "d"}
+    with engine.connect() as conn:
+        assert repository.cluster_inconsistencies(conn, TENANT) == []
+
+
+def test_a_split_committed_while_the_other_writer_waits_makes_it_take_the_new_clusters(documents, engine) -> None:
+    """b leaves {a, b, c} (a, b, c become three clusters) while d, matched to c, waits for the lock of c's old
+    cluster; after the split d's writer locks c's new cluster too and ends consistent: d joins c alone."""
+    entered = threading.Event()
+    rounds: list[int] = []
+
+    def first_holds_lock(conn: sa.Connection) -> None:
+        if not entered.is_set():
+            entered.set()
+            wait_for_lock_waiter(conn)
+
+    def first() -> None:
+        repository.write_matches(engine, "b", TENANT, [], NOW, WriteHooks(after_lock=first_holds_lock))
+
+    def second() -> None:
+        entered.wait(10)
+        repository.write_matches(engine, "d", TENANT, [edge("c", "d")], NOW,
+                                 WriteHooks(after_lock=lambda conn: rounds.append(1)))
+
+    assert run_together(first, second) == []
+    edges, clusters = state(engine)
+    assert edges == [("c", "d")]
+    assert clusters == {"a": "a", "b": "b", "c": "c", "d": "c"}
+    assert len(rounds) == 2  # locked {a, d}, found c now in cluster c, rolled back, locked {a, c, d}
+    with engine.connect() as conn:
         assert repository.cluster_inconsistencies(conn, TENANT) == []
