@@ -163,6 +163,28 @@ def _without_replay_start(payload: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in payload.items() if not (k == "replay_from" and v == "start")}
 
 
+@dataclass(frozen=True)
+class State:
+    """An entity's scheduling state as an operator reads it (`redrive <pipeline> show`)."""
+
+    status: str
+    due_at: datetime
+    stage: str | None
+    attempts: Mapping[str, int]
+    last_error: str | None
+    lease_owner: str | None
+    updated_at: datetime
+
+
+def state(conn: sa.Connection, pipeline: str, entity_ref: str) -> State | None:
+    row = conn.execute(sa.select(work_items).where(work_items.c.pipeline == pipeline,
+                                                   work_items.c.entity_ref == entity_ref)).first()
+    if row is None:
+        return None
+    return State(row.status, row.due_at, row.stage, dict(row.attempts or {}), row.last_error, row.lease_owner,
+                 row.updated_at)
+
+
 def has_item(conn: sa.Connection, pipeline: str, entity_ref: str) -> bool:
     return conn.execute(sa.select(work_items.c.id).where(
         work_items.c.pipeline == pipeline, work_items.c.entity_ref == entity_ref)).first() is not None
