@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from assets.review_notifications import demo
+from orchestration.demos import review_notifications as demo
 from orchestration.demo import DemoContext
 
 
