@@ -6,11 +6,12 @@
 Baseline (same session, same sandbox and PostgreSQL): for each request, the three calls a bare
 script would make — GET the artifact, POST the LLM, POST the webhook — with no Dagster, no
 checkpoints, no classification. Measured against it:
-- **pipeline**: the same requests through `criticizer_job` (one in-process Dagster run each: three
-  ops, a checkpoint per stage, delivery records, the request row);
+- **drain**: the same number of requests through one drain run of `criticizer_job` (one in-process
+  Dagster run for all of them: claims, a checkpoint per stage, delivery records, the request row),
+  with 8 requests in flight and with 1;
 - **replay, failed stage** vs **replay, full restart**: requests dead-lettered at llm (a 401), then
-  replayed through the replay sensor — half from the failed stage (fetch reused from its
-  checkpoint), half `--from-start` — comparing time and artifact bytes fetched.
+  replayed — half from the failed stage (fetch reused from its checkpoint), half `--from-start`,
+  each half in one drain run — comparing time and artifact bytes fetched.
 Artifacts are 256 KiB so the fetch is not free. Medians per request are reported, with ratios.
 """
 
@@ -27,7 +28,6 @@ import dagster as dg
 import sqlalchemy as sa
 
 from assets.criticizer import api, pipeline, policy
-from orchestration.pipelines.criticizer import pipeline_defs
 from bench._support import scratch_database
 from devstack.sandbox import SandboxClient
 from orchestration.definitions import build_definitions
@@ -36,7 +36,6 @@ from redrive.clock import SystemClock
 from redrive.db import engine_for
 from resources.database import resolve_database_url
 from redrive.settings import Settings
-from sensors.core import replay_run_request
 
 ARTIFACT_BYTES = 256 * 1024
 CRITIQUE = {"verdict": "approve", "score": 8, "summary": "Fine.", "findings": []}
@@ -61,16 +60,15 @@ def _baseline(defs: dg.Definitions, sandbox: SandboxClient, request_id: str) -> 
     return time.perf_counter() - started
 
 
-def _run(defs: dg.Definitions, instance: dg.DagsterInstance, request_id: str,
-         run_config: dict[str, Any] | None = None) -> tuple[float, bool]:
-    """One run: a first run of the request's partition, or a replay with the replay sensor's run config."""
+def _drain(defs: dg.Definitions, instance: dg.DagsterInstance, concurrency: int) -> tuple[float, dict[str, Any]]:
+    """One drain run of the criticizer job over whatever is due; its wall time and counts."""
     job = defs.resolve_job_def("criticizer_job")
-    quiet = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+    config = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}},
+              "ops": {"criticizer_drain": {"config": {"concurrency": concurrency, "linger_seconds": 0.5}}}}
     started = time.perf_counter()
-    result = job.execute_in_process(run_config={**quiet, **(run_config or pipeline.run_config(request_id, {}))},
-                                    instance=instance, partition_key=None if run_config else request_id,
-                                    raise_on_error=False)
-    return time.perf_counter() - started, result.success
+    result = job.execute_in_process(run_config=config, instance=instance, raise_on_error=False)
+    assert result.success, "drain run failed"
+    return time.perf_counter() - started, result.output_for_node("criticizer_drain")
 
 
 def _fetched_bytes(sandbox: SandboxClient, request_ids: list[str]) -> int:
@@ -92,46 +90,53 @@ def _measure(n: int, session: str, settings: Settings) -> int:
     sandbox.set_default("llm", content=json.dumps(CRITIQUE))
     defs = build_definitions(settings)
     with dg.instance_for_test() as instance:
-        ids = [_submit(engine, sandbox, f"bench-{session}-{i}") for i in range(n + 1)]
-        instance.add_dynamic_partitions(pipeline.requests_partitions.name, ids)
-        _baseline(defs, sandbox, ids[0])  # warm connections and caches
-        _run(defs, instance, ids[0])
-        base, piped = [], []
-        for request_id in ids[1:]:  # alternate, so drift in the machine's load hits both alike
-            base.append(_baseline(defs, sandbox, request_id))
-            seconds, ok = _run(defs, instance, request_id)
-            assert ok, f"{request_id} failed"
-            piped.append(seconds)
+        warm = _submit(engine, sandbox, f"bench-{session}-warm")
+        _baseline(defs, sandbox, warm)  # warm connections and caches
+        _drain(defs, instance, 1)
+        base, piped, piped_1 = [], [], []
+        for r in range(3):  # alternate, so drift in the machine's load hits all alike
+            ids = [_submit(engine, sandbox, f"bench-{session}-{r}-{i}") for i in range(n)]
+            started = time.perf_counter()
+            for request_id in ids:
+                _baseline(defs, sandbox, request_id)
+            base.append((time.perf_counter() - started) / n)
+            seconds, counts = _drain(defs, instance, 8)
+            assert counts["done"] == n, counts
+            piped.append(seconds / n)
+            ids = [_submit(engine, sandbox, f"bench-{session}-{r}-c1-{i}") for i in range(n)]
+            seconds, counts = _drain(defs, instance, 1)
+            assert counts["done"] == n, counts
+            piped_1.append(seconds / n)
 
         # replays: dead-letter 2n requests at llm, replay half from the failed stage, half from the start
         failing = [_submit(engine, sandbox, f"bench-{session}-dl-{i}") for i in range(2 * n)]
-        instance.add_dynamic_partitions(pipeline.requests_partitions.name, failing)
         sandbox.script("llm", *[{"status": 401}] * len(failing))
-        for request_id in failing:
-            assert not _run(defs, instance, request_id)[1]
-        target = pipeline_defs(settings).replay_targets[pipeline.PIPELINE]
+        assert _drain(defs, instance, 8)[1]["dead_lettered"] == len(failing)
         timings: dict[str, list[float]] = {"failed_stage": [], "start": []}
         groups = {"failed_stage": failing[0::2], "start": failing[1::2]}
         before = {mode: _fetched_bytes(sandbox, group) for mode, group in groups.items()}
-        for a, b in zip(groups["failed_stage"], groups["start"], strict=True):
-            for mode, request_id in (("failed_stage", a), ("start", b)):
-                with engine.begin() as conn:
+        for mode, group in groups.items():
+            with engine.begin() as conn:
+                for request_id in group:
                     letter = deadletters.active_for(conn, pipeline.PIPELINE, request_id)
                     assert letter is not None
-                    letter = deadletters.request_replay(conn, letter.id, evidence="bench", confirm_safe=True,
-                                                        at=SystemClock().now(), from_start=mode == "start")
-                request = replay_run_request(letter, target)  # what the replay sensor would request
-                seconds, ok = _run(defs, instance, request_id, request.run_config)
-                assert ok, f"replay of {request_id} failed"
-                timings[mode].append(seconds)
+                    deadletters.request_replay(conn, letter.id, evidence="bench", confirm_safe=True,
+                                               at=SystemClock().now(), from_start=mode == "start")
+            seconds, counts = _drain(defs, instance, 8)  # one drain run works every replayed request
+            assert counts["done"] == len(group), counts
+            timings[mode].append(seconds / len(group))
         fetched = {mode: _fetched_bytes(sandbox, group) - before[mode] for mode, group in groups.items()}
+        runs = len(instance.get_runs())
 
     med = {k: statistics.median(v) * 1000 for k, v in
-           {"baseline": base, "pipeline": piped, **{f"replay_{m}": t for m, t in timings.items()}}.items()}
+           {"baseline": base, "pipeline": piped, "pipeline_1": piped_1, **{f"replay_{m}": t for m, t in timings.items()}}.items()}
     print(f"criticizer: {n} requests, {ARTIFACT_BYTES // 1024} KiB artifacts, median ms per request")
     print(f"  baseline (3 bare HTTP calls)      {med['baseline']:8.1f} ms")
     ratio = med["pipeline"] / med["baseline"]
-    print(f"  pipeline (Dagster run, 3 stages)  {med['pipeline']:8.1f} ms   ×{ratio:.1f} baseline")
+    print(f"  drain run, 8 in flight            {med['pipeline']:8.1f} ms   ×{ratio:.2f} baseline")
+    print(f"  drain run, 1 in flight            {med['pipeline_1']:8.1f} ms   "
+          f"×{med['pipeline_1'] / med['baseline']:.2f} baseline")
+    print(f"  Dagster runs for {6 * n + 2 * n + 1} requests and {2 * n} replays: {runs}")
     print(f"  replay from failed stage          {med['replay_failed_stage']:8.1f} ms   "
           f"{fetched['failed_stage'] // 1024} KiB fetched")
     print(f"  replay full restart               {med['replay_start']:8.1f} ms   "

@@ -70,7 +70,11 @@ class Attempt:
     attempts: dict[str, int] = field(default_factory=dict)
     current_stage: str | None = None
     on_success: list[Callable[[sa.Connection], None]] = field(default_factory=list)
-    on_failure: list[Callable[[sa.Connection, Failure], None]] = field(default_factory=list)
+    # (conn, failure, final): runs for a retry and for the final failure, before the dead letter is
+    # built, so it may add to `context` (e.g. when the failure episode began)
+    on_failure: list[Callable[[sa.Connection, Failure, bool], None]] = field(default_factory=list)
+    report: DrainReport | None = None
+    report_lock: threading.Lock | None = None
 
     @property
     def entity_ref(self) -> str:
@@ -119,6 +123,11 @@ class DrainReport:
     lease_lost: int = 0
     batches: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)  # failed attempts by error class
+    # the first RETRY_LOG_LIMIT retries in detail (entity, stage, attempt, wait in seconds, error class)
+    retry_log: list[dict[str, Any]] = field(default_factory=list)
+
+    RETRY_LOG_LIMIT = 200
 
     def as_metadata(self) -> dict[str, int]:
         return {"claimed": self.claimed, "done": self.done, "retried": self.retried,
@@ -227,7 +236,7 @@ class Drain:
     # --- one entity --------------------------------------------------------------------------------
 
     def _work_one(self, handle: Handler, item: WorkItem, report: DrainReport, lock: threading.Lock) -> None:
-        attempt = Attempt(item=item, drain=self)
+        attempt = Attempt(item=item, drain=self, report=report, report_lock=lock)
         try:
             if item.payload.get("replay_from") == FROM_START:
                 with self.engine.begin() as conn:
@@ -285,29 +294,45 @@ class Drain:
         stage_attempts = attempt.stage_attempts(stage)
         public = sanitize_text(f"{stage} attempt {number}/{policy.max_attempts} of {item.entity_ref}: "
                                f"{failure.code}: {failure.message}")
+        self._count_failure(attempt, stage, number, failure, decision)
         if decision.retry:
             due_at = now + timedelta(seconds=decision.delay * self.reliability.time_scale)
             with self.engine.begin() as conn:
                 if not work.reschedule(conn, item, due_at=due_at, stage=stage, attempts=stage_attempts,
                                        error=public, now=now):
                     raise LeaseLost(item.entity_ref)
+                for write in attempt.on_failure:
+                    write(conn, failure, False)
             if log.isEnabledFor(logging.INFO):
                 log.info("%s; next attempt due %s", public, due_at.isoformat())
             return "retried"
-        final = FinalFailure(
-            pipeline=self.pipeline, stage=stage, entity_ref=item.entity_ref, failure=failure, attempts=number,
-            at=now, tenant=attempt.tenant, stack=sanitize_exception(exc),
-            context={**attempt.context, "decision": decision.reason, "dagster_run_id": self.run_id},
-            payload_ref=attempt.payload_ref, stage_attempts=stage_attempts, run_id=self.run_id,
-        )
+        stack = sanitize_exception(exc)
         with self.engine.begin() as conn:
             if not work.bury(conn, item, stage=stage, attempts=stage_attempts, error=public, now=now):
                 raise LeaseLost(item.entity_ref)
             for write in attempt.on_failure:
-                write(conn, failure)
+                write(conn, failure, True)
+            final = FinalFailure(
+                pipeline=self.pipeline, stage=stage, entity_ref=item.entity_ref, failure=failure, attempts=number,
+                at=now, tenant=attempt.tenant, stack=stack,
+                context={**attempt.context, "decision": decision.reason, "dagster_run_id": self.run_id},
+                payload_ref=attempt.payload_ref, stage_attempts=stage_attempts, run_id=self.run_id,
+            )
             recorded = self.reliability.fail_for_good(final, conn=conn)
         log.warning("%s; %s: dead letter %s", public, decision.reason, recorded.dead_letter.id)
         return "dead_lettered"
+
+    def _count_failure(self, attempt: Attempt, stage: str, number: int, failure: Failure,
+                       decision: RetryDecision) -> None:
+        report, lock = attempt.report, attempt.report_lock
+        if report is None or lock is None:
+            return
+        with lock:
+            report.failures[failure.code] = report.failures.get(failure.code, 0) + 1
+            if decision.retry and len(report.retry_log) < report.RETRY_LOG_LIMIT:
+                report.retry_log.append({"entity": attempt.entity_ref, "stage": stage, "attempt": number,
+                                         "wait": decision.delay * self.reliability.time_scale,
+                                         "error_class": failure.code})
 
     def decide(self, policy: StagePolicy, failure: Failure, attempt: int, jitter_key: str) -> RetryDecision:
         return decide(failure, attempt, policy.max_attempts, policy.backoff, self.reliability.rng_for(jitter_key))

@@ -12,6 +12,7 @@ Whatever the op raises reaches Dagster's event log only as a sanitized one-line 
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import dagster as dg
 
@@ -63,8 +64,10 @@ def run_drain(context: dg.OpExecutionContext, runtime: Reliability, pipeline: st
     with sanitized_failures(f"drain of {pipeline}"):
         report = drain.run(handle, group_key=group_key)
     context.log.info(_summary(pipeline, report))
-    return dg.Output(report.as_metadata(), metadata={k: dg.MetadataValue.int(v)
-                                                     for k, v in report.as_metadata().items()})
+    metadata: dict[str, Any] = {k: dg.MetadataValue.int(v) for k, v in report.as_metadata().items()}
+    metadata["failures_by_class"] = dg.MetadataValue.json(report.failures)
+    return dg.Output({**report.as_metadata(), "failures": report.failures, "retries": report.retry_log},
+                     metadata=metadata)
 
 
 def _summary(pipeline: str, report: DrainReport) -> str:

@@ -156,7 +156,7 @@ def due_work_sensor(pipeline: str, job: dg.JobDefinition, *, by_partition: bool 
     """A drain run when `pipeline`'s work queue has due entities: one run per round, not per entity.
 
     The cursor counts rounds and the run key names the round (`<pipeline>:drain:round-N`), so a
-    repeated tick starts nothing twice. While `max_runs` drain runs are queued or running no new
+    repeated tick starts nothing twice; a lost cursor resumes after the job's run count. While `max_runs` drain runs are queued or running no new
     one is requested: they claim what falls due. `by_partition`: one run per group (an evidence
     file job) with due rows, on that group's partition, at most one active run per partition.
     """
@@ -168,7 +168,9 @@ def due_work_sensor(pipeline: str, job: dg.JobDefinition, *, by_partition: bool 
                            "per entity.")
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
         runtime = reliability.runtime()
-        now, round_no = runtime.now(), int(context.cursor or 0)
+        # rounds continue from the cursor, or from the job's run count when the cursor is lost or reset
+        now = runtime.now()
+        round_no = max(int(context.cursor or 0), context.instance.get_runs_count(dg.RunsFilter(job_name=job.name)))
         tags = {"redrive/pipeline": pipeline, "redrive/drain": "true"}
         if by_partition:
             with runtime.engine.connect() as conn:

@@ -21,7 +21,8 @@ from assets.criticizer import policy, repository
 from assets.criticizer.policy import PIPELINE, CritiqueRequest, InvalidRequest
 from assets.criticizer.repository import RequestIdConflict, UnknownRequest
 from assets.criticizer.settings import CriticizerSettings
-from redrive import checkpoints, deadletters
+from redrive import checkpoints, deadletters, work
+from redrive.clock import Clock, SystemClock
 from redrive.settings import Settings
 
 __all__ = ["InvalidRequest", "RequestIdConflict", "Status", "Submitted", "UnknownRequest", "status", "submit"]
@@ -52,7 +53,7 @@ class Status:
 
 
 def submit(engine: sa.Engine, request: Mapping[str, Any] | CritiqueRequest, *,
-           allowed_artifact_prefixes: Sequence[str] | None = None) -> Submitted:
+           allowed_artifact_prefixes: Sequence[str] | None = None, clock: Clock | None = None) -> Submitted:
     """Validate and store a request. Raises InvalidRequest (nothing stored) or RequestIdConflict.
 
     ``allowed_artifact_prefixes``: where artifacts may come from; None reads the configuration
@@ -72,6 +73,8 @@ def submit(engine: sa.Engine, request: Mapping[str, Any] | CritiqueRequest, *,
             rubric=parsed.rubric, webhook_url=parsed.webhook_url, webhook_headers=parsed.webhook_headers,
             fingerprint=parsed.fingerprint,
         )
+        if created:  # the request's row in the core's work queue, in the same transaction: none is lost
+            work.enqueue(conn, PIPELINE, parsed.effective_id, now=(clock or SystemClock()).now())
     return Submitted(parsed.effective_id, created)
 
 

@@ -17,8 +17,6 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB, insert
 
-from assets.criticizer.policy import PIPELINE
-from redrive import checkpoints
 from redrive.schema import NOW, TZ, metadata
 
 SUBMITTED, PROCESSING, DONE = "submitted", "processing", "done"
@@ -131,16 +129,6 @@ def list_(conn: sa.Connection, *, status: str | None = None, limit: int = 100) -
     return [CritiqueRequestRow.from_row(r) for r in conn.execute(q)]
 
 
-def submitted(conn: sa.Connection, limit: int) -> list[str]:
-    """Requests no run has picked up yet, oldest first (what the new-requests sensor turns into runs)."""
-    return list(conn.execute(
-        sa.select(criticizer_requests.c.request_id)
-        .where(criticizer_requests.c.status == SUBMITTED)
-        .order_by(criticizer_requests.c.created_at, criticizer_requests.c.request_id)
-        .limit(limit)
-    ).scalars())
-
-
 def start(conn: sa.Connection, request_id: str, at: datetime) -> CritiqueRequestRow:
     """A run picked the request up: `submitted` → `processing` (a done request stays done)."""
     conn.execute(
@@ -151,26 +139,12 @@ def start(conn: sa.Connection, request_id: str, at: datetime) -> CritiqueRequest
     return get(conn, request_id)
 
 
-def restart(conn: sa.Connection, request_id: str) -> int:
-    """Full restart (§8.5 "unless operator explicitly requests full restart"): forget every stage's output.
-
-    Deliveries are kept: a re-run that produces the same critique repeats its idempotency key
-    and is not posted twice; a different critique is a new delivery.
-    """
+def record_stage_attempts(conn: sa.Connection, request_id: str, attempts: Mapping[str, int]) -> None:
+    """How many attempts each stage has taken so far (the status command and a later dead letter show it)."""
     conn.execute(
         sa.update(criticizer_requests)
         .where(criticizer_requests.c.request_id == request_id)
-        .values(stage_attempts={}, status=PROCESSING)
-    )
-    return checkpoints.clear(conn, PIPELINE, request_id)
-
-
-def stage_done(conn: sa.Connection, request_id: str, stage: str, attempts: int) -> None:
-    """Record how many attempts a completed stage took (shown in a later stage's dead letter)."""
-    conn.execute(
-        sa.update(criticizer_requests)
-        .where(criticizer_requests.c.request_id == request_id)
-        .values(stage_attempts=criticizer_requests.c.stage_attempts.op("||")(sa.literal({stage: attempts}, JSONB)))
+        .values(stage_attempts=dict(attempts))
     )
 
 

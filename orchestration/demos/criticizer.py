@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -37,13 +38,19 @@ def ordered(attempts: Any) -> str:
     return json.dumps({s: attempts[s] for s in STAGES if s in attempts})
 
 
+@dataclass(frozen=True)
+class Drained:
+    success: bool  # the request ended done
+    retries: int  # retries the drain run scheduled
+
+
 def run_demo(ctx):  # -> orchestration.demo.DemoReport
     from orchestration.demo import DemoReport
 
     report = DemoReport(PIPELINE)
     sandbox, base = ctx.sandbox, ctx.sandbox.base_url
     sandbox.set_default("llm", content=json.dumps(CRITIQUE))
-    ctx.tick("criticizer_new_requests")  # requests a crashed earlier demo left behind must not eat our faults
+    ctx.tick("criticizer_due_work")  # requests a crashed earlier demo left behind must not eat our faults
 
     def submit(name: str) -> str:
         request_id = f"demo-{ctx.session}-{name}"
@@ -57,9 +64,10 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
         }, allowed_artifact_prefixes=CriticizerSettings().allowed_prefixes(ctx.settings))
         return request_id
 
-    def start() -> Any:
-        [result] = ctx.tick("criticizer_new_requests")  # the sensor turns the one new request into a run
-        return result
+    def start(request_id: str) -> Drained:
+        [result] = ctx.tick("criticizer_due_work")  # the sensor starts one drain run for what is due
+        return Drained(api.status(ctx.engine, request_id).status == "done",
+                       len(result.output_for_node("criticizer_drain")["retries"]) if result.success else 0)
 
     def fetches(request_id: str) -> int:
         name = request_id.rsplit("-", 1)[-1]
@@ -72,15 +80,15 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
         assert letter is not None, f"{request_id}: no dead letter"
         return letter
 
-    def replay(letter_id: int, evidence: str | None) -> list[Any]:
+    def replay(letter_id: int, request_id: str, evidence: str | None) -> Drained:
         with ctx.engine.begin() as conn:
             deadletters.request_replay(conn, letter_id, evidence=evidence, confirm_safe=True,
                                        at=SystemClock().now(), operator="demo")
-        return ctx.tick("redrive_dead_letter_replays")
+        return start(request_id)  # the replayed request's row is due again: the next drain run works it
 
     # clean
     clean = submit("clean")
-    assert start().success and api.status(ctx.engine, clean).status == "done", "clean request not done"
+    assert start(clean).success, "clean request not done"
     report.done += 1
 
     # flaky: every stage meets a retryable fault and rides it out on its own budget
@@ -88,30 +96,30 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     sandbox.script("store", {"status": 503})
     sandbox.script("llm", {"status": 429, "headers": {"Retry-After": "120"}}, {"status": 500})
     sandbox.script("slack", {"status": 502})  # notify's first call is the webhook post
-    result = start()
+    result = start(flaky)
     assert result.success, "flaky request did not ride out its faults"
     found = api.status(ctx.engine, flaky)
     assert found.stage_attempts == {"fetch": 2, "llm": 3, "notify": 2}, found.stage_attempts
     report.done += 1
-    report.retried += ctx.retries_in(result)
+    report.retried += result.retries
     report.notes.append(f"{flaky}: store 503, LLM 429 (Retry-After 120 → waited 120 s × time scale) and 500, "
                         f"webhook 502 — retried per stage {ordered(found.stage_attempts)}, then done")
 
     # exhausted: llm spends its 5 attempts; the replay needs evidence, then starts at llm
     exhausted = submit("exhausted")
     sandbox.script("llm", *[{"status": 503}] * 5)
-    result = start()
+    result = start(exhausted)
     assert not result.success
-    report.retried += ctx.retries_in(result)
+    report.retried += result.retries
     report.dead_lettered += 1
     letter = letter_of(exhausted)
     assert (letter.stage, letter.error_class, letter.attempts) == ("llm", "NETWORK_TRANSIENT", 5)
     try:
-        replay(letter.id, None)
+        replay(letter.id, exhausted, None)
         raise AssertionError("a replay without remediation evidence was accepted")
     except ReplayRefused as refused:
         report.notes.append(f"{exhausted}: replay without evidence refused: {refused}")
-    [replayed] = replay(letter.id, "DEMO-7: LLM provider recovered (status page green)")
+    replayed = replay(letter.id, exhausted, "DEMO-7: LLM provider recovered (status page green)")
     assert replayed.success and fetches(exhausted) == 1, "replay re-fetched or failed"
     with ctx.engine.connect() as conn:
         status = conn.execute(sa.text("SELECT status FROM dead_letters WHERE id = :i"), {"i": letter.id}).scalar()
@@ -124,14 +132,14 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     # denied: the webhook refuses our credentials; a replay without the real fix escalates
     denied = submit("denied")
     sandbox.script("slack", {"status": 401})
-    assert not start().success
+    assert not start(denied).success
     report.dead_lettered += 1
     letter = letter_of(denied)
     assert (letter.stage, letter.error_class) == ("notify", "AUTH_DENIED")
     sandbox.script("slack", {"status": 401})
-    [again] = replay(letter.id, "DEMO-8: rotated the webhook token")
+    again = replay(letter.id, denied, "DEMO-8: rotated the webhook token")
     assert not again.success and letter_of(denied).status == "escalated", "same class after replay did not escalate"
-    [fixed] = replay(letter.id, "DEMO-9: the requester re-enabled the webhook")
+    fixed = replay(letter.id, denied, "DEMO-9: the requester re-enabled the webhook")
     assert fixed.success and api.status(ctx.engine, denied).status == "done"
     report.done += 1
     report.notes.append(f"{denied}: webhook 401 → dead letter {letter.id} + alert; replay without a fix → "

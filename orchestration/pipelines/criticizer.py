@@ -1,4 +1,4 @@
-"""What the criticizer adds to the code location: its job, its sensor, its HTTP resource, its replay target."""
+"""What the criticizer adds to the code location: its drain job, the sensor that starts it, its HTTP resource."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from assets.criticizer.settings import CriticizerSettings
 from orchestration.registry import PipelineDefs
 from redrive.settings import Settings
 from resources.criticizer import CriticizerHttpResource
-from sensors.core import ReplayTarget
-from sensors.criticizer import new_requests_sensor
+from sensors.core import due_work_sensor
 
 
 def pipeline_defs(settings: Settings) -> PipelineDefs:
@@ -16,8 +15,9 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
     return PipelineDefs(
         name=pipeline.PIPELINE,
         jobs=[pipeline.criticizer_job],
-        sensors=[new_requests_sensor(pipeline.criticizer_job, pipeline.requests_partitions, pipeline.run_config,
-                                     limit=own.sensor_batch, minimum_interval_seconds=own.sensor_interval_seconds)],
+        # new requests, retries falling due and dead-letter replays are all due rows: one sensor, one run per round
+        sensors=[due_work_sensor(pipeline.PIPELINE, pipeline.criticizer_job,
+                                 minimum_interval_seconds=own.sensor_interval_seconds)],
         resources={
             "criticizer_http": CriticizerHttpResource(
                 timeout_seconds=settings.http_timeout_seconds,
@@ -26,9 +26,5 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
                 results_slack_webhook_url=own.results_slack_webhook_url,
             )
         },
-        replay_targets={
-            # replays and durable retries run on the request's own partition
-            pipeline.PIPELINE: ReplayTarget(job=pipeline.criticizer_job, run_config=pipeline.run_config,
-                                            partition_key=lambda request_id: request_id)
-        },
+        drained=[pipeline.PIPELINE],
     )

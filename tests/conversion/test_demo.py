@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from assets.conversion import demo
+from orchestration.demos import conversion as demo
 from orchestration.demo import DemoContext
 from redrive.db import engine_for
 from redrive.settings import Settings

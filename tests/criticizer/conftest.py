@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -11,7 +12,7 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
-from assets.criticizer import api, pipeline
+from assets.criticizer import api
 from orchestration.definitions import build_definitions
 from redrive.settings import Settings
 
@@ -58,8 +59,8 @@ def cdefs(crit_settings: Settings) -> dg.Definitions:
 
 
 @pytest.fixture
-def submit(engine: sa.Engine, sandbox, instance: dg.DagsterInstance) -> Callable[..., str]:
-    """Put an artifact in the sandbox store, submit a request for it, and add its partition."""
+def submit(engine: sa.Engine, sandbox) -> Callable[..., str]:
+    """Put an artifact in the sandbox store and submit a request for it (its work row is due at once)."""
     sandbox.set_default("llm", content=json.dumps(CRITIQUE))
 
     def _submit(name: str = "req-1", *, artifact: bytes = b"def retry():\n    try: x()\n    except: pass\n",
@@ -73,27 +74,39 @@ def submit(engine: sa.Engine, sandbox, instance: dg.DagsterInstance) -> Callable
             "webhook_headers": dict(headers or {"Authorization": "Bearer wh-token-1"}),
             **extra,
         }, allowed_artifact_prefixes=())  # any URL: the API's own check is tested in test_api
-        instance.add_dynamic_partitions(pipeline.requests_partitions.name, [submitted.request_id])
         return submitted.request_id
 
     return _submit
 
 
-@pytest.fixture
-def run(cdefs: dg.Definitions, instance: dg.DagsterInstance) -> Callable[..., dg.ExecuteInProcessResult]:
-    """Execute the criticizer job for one request's partition, as a first run or with replay/retry config."""
+@dataclass(frozen=True)
+class Drained:
+    """One drain run of the criticizer, seen from one request: did it end done, and what was retried."""
 
-    def _run(request_id: str, extra: Mapping[str, Any] | None = None, *, defs: dg.Definitions | None = None,
-             tags: Mapping[str, str] | None = None) -> dg.ExecuteInProcessResult:
+    run_id: str
+    run_success: bool
+    success: bool  # the request is done
+    report: dict[str, Any]
+
+    def waits(self, stage: str) -> list[float]:
+        """Seconds until each retry of `stage` fell due (policy delay × the configured time scale)."""
+        return [r["wait"] for r in self.report["retries"] if r["stage"] == stage]
+
+
+# Waits are × 0.001 in these tests, so every retry falls due within the linger window of the same run.
+DRAIN_CONFIG = {"ops": {"criticizer_drain": {"config": {"linger_seconds": 2.0, "max_seconds": 120.0}}}}
+
+
+@pytest.fixture
+def run(cdefs: dg.Definitions, instance: dg.DagsterInstance, engine: sa.Engine) -> Callable[..., Drained]:
+    """Execute one drain run of the criticizer job (what the due-work sensor starts) and report on one request."""
+
+    def _run(request_id: str, *, defs: dg.Definitions | None = None, config: Mapping[str, Any] | None = None,
+             tags: Mapping[str, str] | None = None) -> Drained:
         job = (defs or cdefs).resolve_job_def("criticizer_job")
-        return job.execute_in_process(run_config=pipeline.run_config(request_id, extra or {}), instance=instance,
-                                      partition_key=request_id, tags=dict(tags or {}), raise_on_error=False)
+        result = job.execute_in_process(run_config=dict(config or DRAIN_CONFIG), instance=instance,
+                                        tags=dict(tags or {}), raise_on_error=False)
+        report = result.output_for_node("criticizer_drain") if result.success else {"retries": []}
+        return Drained(result.run_id, result.success, api.status(engine, request_id).status == "done", report)
 
     return _run
-
-
-def retry_waits(instance: dg.DagsterInstance, run_id: str, stage: str) -> list[float]:
-    """seconds_to_wait of each STEP_UP_FOR_RETRY of one stage's op, from Dagster's event log."""
-    events = instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.STEP_UP_FOR_RETRY).records
-    return [r.event_log_entry.dagster_event.step_retry_data.seconds_to_wait for r in events
-            if r.event_log_entry.step_key == pipeline.OPS[stage]]

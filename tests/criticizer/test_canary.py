@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import UTC, datetime
 
 import dagster as dg
 import pytest
@@ -11,6 +12,7 @@ import sqlalchemy as sa
 from dagster._serdes import serialize_value
 
 from orchestration.definitions import build_definitions
+from redrive import deadletters
 from redrive.schema import alerts, dead_letters, stage_checkpoints
 
 WEBHOOK_TOKEN = "whk-canary-0b9a8c7d6e5f"  # no known secret shape: only never copying it keeps it out
@@ -96,7 +98,11 @@ def test_a_delivered_critique_carries_the_headers_to_the_webhook_only(canary_def
     request_id = _submit_canary_request(submit)
     sandbox.script("llm", {"status": 401})  # first a dead letter, so the replay path is covered too
     assert not run(request_id, defs=canary_defs).success
-    assert run(request_id, {"replay_of": 1, "replay_from": "failed_stage", "stage": "llm"}, defs=canary_defs).success
+    with engine.begin() as conn:
+        [letter] = deadletters.list_(conn)
+        deadletters.request_replay(conn, letter.id, evidence="INC-1 key fixed", confirm_safe=True,
+                                   at=datetime.now(UTC))
+    assert run(request_id, defs=canary_defs).success
     seen = everything_recorded(instance, engine, sandbox, caplog)
     assert_no_canary(seen)
     [delivery] = [r for r in sandbox.requests("slack") if r["path"].endswith("/requester/canary")]

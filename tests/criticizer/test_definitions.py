@@ -2,28 +2,24 @@
 
 from __future__ import annotations
 
-import dagster as dg
 import sqlalchemy as sa
 
-from assets.criticizer import pipeline
 from redrive.db import VERSION_TABLE
 
 
 def test_job_sensors_and_resource_are_in_the_code_location(cdefs, crit_settings) -> None:
-    """One op per stage on a dynamic partition per request; new-request and durable-retry sensors; allowed store."""
+    """One drain op on the in-process executor with a retry policy, no per-request partition; the due-work
+    sensor, and no per-entity durable-retry sensor; the allowed store."""
     job = cdefs.resolve_job_def("criticizer_job")
-    assert {k.name: {i: d.node for i, d in v.items()} for k, v in job.dependencies.items()} == {
-        "criticizer_fetch": {}, "criticizer_llm": {"fetched": "criticizer_fetch"},
-        "criticizer_notify": {"critiqued": "criticizer_llm"}}
-    assert isinstance(job.partitions_def, dg.DynamicPartitionsDefinition)
-    assert job.partitions_def.name == "criticizer_requests"
+    assert [n.name for n in job.nodes] == ["criticizer_drain"]
+    assert job.partitions_def is None and job.executor_def.name == "in_process"
+    assert job.graph.node_named("criticizer_drain").definition.retry_policy is not None
+    assert job.tags["redrive/pipeline"] == "criticizer"
     sensors = {s.name for s in cdefs.sensors}
-    assert {"criticizer_new_requests", "criticizer_deferred_retries", "redrive_dead_letter_replays"} <= sensors
+    assert "criticizer_due_work" in sensors and "criticizer_deferred_retries" not in sensors
     http = cdefs.resources["criticizer_http"]
     assert http.artifact_url_prefixes == [crit_settings.store_url.rstrip("/") + "/"]
     assert http.results_slack_webhook_url.endswith("/slack/webhook/criticizer-results")
-    assert pipeline.run_config("r1", {"replay_of": 3, "unknown": 1})["ops"]["criticizer_llm"]["config"] == {
-        "request_id": "r1", "replay_of": 3}
 
 
 def test_migration_branch_is_at_its_head(engine) -> None:

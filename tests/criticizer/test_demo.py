@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from assets.criticizer import demo
+from orchestration.demos import criticizer as demo
 from orchestration.demo import DemoContext
 from redrive.db import engine_for
 

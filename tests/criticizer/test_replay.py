@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import dagster as dg
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
@@ -40,18 +39,13 @@ def test_replay_after_llm_exhaustion_runs_llm_and_notify_only(cdefs, run, submit
 
     out = cli(db_url, "dlq", "replay", str(letter_id), "--note", "INC-7: LLM provider recovered", "--confirm-safe")
     assert out.exit_code == 0 and "from stage llm" in out.output
-    [request] = tick(cdefs, instance, "redrive_dead_letter_replays")
-    assert request.run_key == "criticizer:run:replay-me:replay-1" and request.partition_key == "replay-me"
+    assert tick(cdefs, instance, "redrive_dead_letter_replays") == []  # no run per letter: the row is due again
+    [request] = tick(cdefs, instance, "criticizer_due_work")
+    assert request.run_key == "criticizer:drain:round-2"  # round 1 was the run that dead-lettered it
     replay = launch(cdefs, instance, request)
-    assert replay.success
+    assert replay.success and replay.output_for_node("criticizer_drain")["done"] == 1
 
-    assert sandbox.count("store.fetch") == 1  # fetched once in all
-    outputs = [r.event_log_entry for r in
-               instance.get_records_for_run(replay.run_id, of_type=dg.DagsterEventType.STEP_OUTPUT).records]
-    sources = {e.step_key: e.dagster_event.step_output_data.metadata["source"].value for e in outputs
-               if "source" in e.dagster_event.step_output_data.metadata}
-    assert sources == {"criticizer_fetch": "checkpoint", "criticizer_llm": "llm"}  # fetch did no work
-    assert {e.step_key for e in outputs} == {"criticizer_fetch", "criticizer_llm", "criticizer_notify"}
+    assert sandbox.count("store.fetch") == 1  # fetched once in all: fetch's checkpoint served the replay
     assert [r["step"] for r in sandbox.requests("llm")] == ["status:503"] * 5 + ["ok"]
     assert len(webhook_posts(sandbox, "replay-me")) == 1 and len(slack_posts(sandbox, RESULTS_PATH)) == 1
 
@@ -76,7 +70,7 @@ def test_replay_without_remediation_evidence_is_refused(cdefs, run, submit, sand
     assert blank.exit_code == 2 and "remediation evidence" in blank.output
     unconfirmed = cli(db_url, "dlq", "replay", str(letter_id), "--note", "INC-8: recovered")
     assert unconfirmed.exit_code == 2 and "--confirm-safe" in unconfirmed.output
-    assert tick(cdefs, instance, "redrive_dead_letter_replays") == []
+    assert tick(cdefs, instance, "criticizer_due_work") == []
     shown = json.loads(cli(db_url, "dlq", "show", str(letter_id), "--json").output)
     assert shown["status"] == "open" and shown["replay_count"] == 0 and shown["remediation_evidence"] is None
 
@@ -92,8 +86,8 @@ def test_same_non_retryable_class_after_replay_redeadletters_and_escalates(cdefs
 
     cli(db_url, "dlq", "replay", str(letter["id"]), "--note", "INC-9: rotated the webhook token", "--confirm-safe")
     sandbox.script("slack", {"status": 401})  # the token was not the problem
-    [request] = tick(cdefs, instance, "redrive_dead_letter_replays")
-    assert not launch(cdefs, instance, request).success
+    [request] = tick(cdefs, instance, "criticizer_due_work")
+    assert launch(cdefs, instance, request).output_for_node("criticizer_drain")["dead_lettered"] == 1
 
     shown = json.loads(cli(db_url, "dlq", "show", str(letter["id"]), "--json").output)
     assert shown["status"] == "escalated" and shown["escalated_at"] and shown["occurrences"] == 2
@@ -115,8 +109,8 @@ def test_full_restart_refetches_and_recritiques(cdefs, run, submit, engine, sand
     out = cli(db_url, "dlq", "replay", str(letter["id"]), "--note", "INC-10: channel recreated", "--confirm-safe",
               "--from-start")
     assert out.exit_code == 0 and "from all stages" in out.output
-    [request] = tick(cdefs, instance, "redrive_dead_letter_replays")
-    assert launch(cdefs, instance, request).success
+    [request] = tick(cdefs, instance, "criticizer_due_work")
+    assert launch(cdefs, instance, request).output_for_node("criticizer_drain")["done"] == 1
     assert sandbox.count("store.fetch") == 2 and sandbox.count("llm.call") == 2
     assert len(webhook_posts(sandbox, "restart")) == 1
     assert api.status(engine, request_id).status == "done"
