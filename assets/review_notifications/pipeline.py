@@ -87,45 +87,39 @@ class ReviewJobHandler:
             if delivery_id is not None:
                 repository.requeue_failed(conn, delivery_id)  # the replayed recipient is pending again
             repository.set_job_status(conn, job.id, policy.IN_PROGRESS)
-        attempt.on_failure.append(lambda conn, failure: self._gave_up(conn, job.id, delivery_id, failure))
-        attempt.stage(SEND, lambda: self._pass(job, delivery_id), checkpoint=False)
+        busy: list[bool] = []
+
+        def failed(conn: sa.Connection, failure: Failure, final: bool) -> None:
+            if not busy:  # the pass holding the job writes its state
+                self._failed(conn, job.id, delivery_id, failure, final)
+
+        attempt.on_failure.append(failed)
+        attempt.stage(SEND, lambda: self._pass(job, delivery_id, busy), checkpoint=False)
         attempt.on_success.append(lambda conn: self._finalize(conn, job.id))
 
-    def _pass(self, job: repository.Job, delivery_id: int | None) -> dict[str, Any]:
+    def _pass(self, job: repository.Job, delivery_id: int | None, busy: list[bool]) -> dict[str, Any]:
         deliverer = delivery.Deliverer(self.runtime.engine, self.mail, self.runtime, hooks=self.hooks,
                                        row_attempts=self.row_attempts, run_id=self.run_id, replayed_row=delivery_id)
-        try:
-            report = deliverer.deliver(job)
-        except Exception as exc:
-            self._job_failed(job.id, exc)
-            raise
+        report = deliverer.deliver(job)
         self._count(sent=report.sent, backfilled=report.backfilled, verified=report.verified,
                     reconciled=report.reconciled, recipients_failed=report.failed, lookups=report.lookups)
         if report.busy:  # another pass holds the job (a replay and a retry due at once): try again shortly
+            busy.append(True)
             raise_failure(Failure.of(Code.DB_TRANSIENT, detail=f"{job.key}: another pass is delivering this job"))
-        try:
-            delivery.raise_for_job(report)
-        except Exception as exc:
-            self._job_failed(job.id, exc)
-            raise
+        delivery.raise_for_job(report)
         return report.as_dict()
-
-    def _job_failed(self, job_id: int, exc: BaseException) -> None:
-        """The job's state says why it is waiting; the drain decides when it is worked again."""
-        failure = delivery.classify(exc)
-        with self.runtime.engine.begin() as conn:
-            repository.set_job_status(conn, job_id, policy.RETRYABLE_FAILED,
-                                      last_error=sanitize_text(f"{failure.code}: {failure.message}"))
 
     def _finalize(self, conn: sa.Connection, job_id: int) -> None:
         """§6.5, in the transaction that marks the work row done."""
         job = api.finalize(conn, job_id, self.runtime.now())
         self._count(**{"jobs_succeeded" if job.status == policy.SUCCEEDED else "jobs_waiting": 1})
 
-    def _gave_up(self, conn: sa.Connection, job_id: int, delivery_id: int | None, failure: Failure) -> None:
-        """Dead-lettered (in the dead letter's transaction): a replayed recipient's row is failed again."""
+    def _failed(self, conn: sa.Connection, job_id: int, delivery_id: int | None, failure: Failure,
+                final: bool) -> None:
+        """In the transaction that makes the row due again, or dead: the job says why it waits; a replayed
+        recipient that failed for good is failed again (its dead letter is written beside)."""
         error = sanitize_text(f"{failure.code}: {failure.message}")
-        if delivery_id is not None:
+        if final and delivery_id is not None:
             repository.fail_delivery(conn, delivery_id, error)
         repository.set_job_status(conn, job_id, policy.RETRYABLE_FAILED, last_error=error)
 

@@ -6,29 +6,18 @@ again), v4 → v3 (refused). One email per recipient per version.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import dagster as dg
 import sqlalchemy as sa
 
 from assets.review_notifications import api, policy, repository
-from assets.review_notifications.pipeline import JOB_NAME
 from redrive import deadletters
 from redrive.schema import alerts
 
 SENSOR = f"{policy.PIPELINE}_due_work"
 REVIEWERS = ["ana@example.com", "bo@example.com", "cy@example.com"]
 UNDELIVERABLE = "dd@invalid.example"  # the sandbox's provider answers 422 INVALID_RECIPIENT for this domain
-
-
-def _resume_cursor(ctx: Any) -> None:
-    """The daemon keeps the sensor's round count; a new demo on the same instance continues it."""
-    if ctx.cursors.get(SENSOR) is not None:
-        return
-    runs = ctx.instance.get_runs(filters=dg.RunsFilter(job_name=JOB_NAME, tags={"redrive/drain": "true"}))
-    rounds = [int(m.group(1)) for r in runs if (m := re.search(r":round-(\d+)$", r.tags.get("dagster/run_key", "")))]
-    ctx.cursors[SENSOR] = str(max(rounds, default=0))
 
 
 def _drain(ctx: Any) -> dg.ExecuteInProcessResult:
@@ -54,7 +43,6 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     engine: sa.Engine = ctx.engine
     cl, cl_b = f"CL-{ctx.session}", f"CL-{ctx.session}-b"
 
-    _resume_cursor(ctx)
     ctx.tick(SENSOR)  # jobs a crashed earlier demo left due run now, not into the faults scripted below
 
     # 1. v3 of a changelist: the provider is flaky (503, 429, then accepts but loses its answer),

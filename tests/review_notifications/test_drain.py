@@ -119,9 +119,10 @@ def test_status_and_show_tell_an_operator_what_the_queue_holds(engine, db_url, r
                                                                sandbox) -> None:
     """`status` counts jobs, due rows and open letters (jobs vs recipients); `show` has the job's work row."""
     make_job(engine, clock=clock)
-    make_job(engine, key="req-2", changelist="CL-2", recipients=["gone@invalid.example"], clock=clock)
     sandbox.script("mail.send", {"status": 503})
-    drain_now(runtime, mail)  # CL-1 due again later; CL-2's recipient dead-lettered
+    drain_now(runtime, mail)  # CL-1 due again later
+    make_job(engine, key="req-2", changelist="CL-2", recipients=["gone@invalid.example"], clock=clock)
+    drain_now(runtime, mail)  # CL-2's only recipient dead-lettered; CL-1 not due yet
 
     env = {"DATABASE_URL": db_url}
     shown = CliRunner().invoke(rn_cli, ["show", "CL-1:v3", "--json"], env=env)
