@@ -34,7 +34,6 @@ import sqlalchemy as sa
 from assets.review_notifications import api, delivery, policy, repository
 from assets.review_notifications.delivery import Hooks, NoHooks
 from assets.review_notifications.settings import ReviewNotificationSettings
-from redrive.clock import Clock
 from redrive.drain import Attempt
 from redrive.drain_ops import DRAIN_RETRY_POLICY, DrainConfig, drain_job, run_drain
 from redrive.failures import Code, Failure, raise_failure
@@ -132,19 +131,17 @@ class ReviewJobHandler:
             return {name: self.totals.get(name, 0) for name in TOTALS}
 
 
-def build_job(knobs: ReviewNotificationSettings, *, clock: Clock | None = None,
-              hooks: Hooks | None = None) -> dg.JobDefinition:
-    """The drain job; `clock` and `hooks` are test seams (an injected clock, a crash between send and mark)."""
+def build_job(knobs: ReviewNotificationSettings) -> dg.JobDefinition:
+    """The drain job: one op, in process, retried by Dagster only for the op's own infrastructure failures."""
     policies = stage_policies(knobs.job_attempts)
 
     @dg.op(name="send_notifications", retry_policy=DRAIN_RETRY_POLICY, out=dg.Out(dict))
     def send_notifications(context: dg.OpExecutionContext, config: DrainConfig, reliability: ReliabilityResource,
                            review_mail: MailProviderResource) -> dg.Output:
         """Drain due review jobs: reconcile, send-and-mark each recipient once per version, finalize (002 §6)."""
-        runtime = reliability.runtime(clock)
+        runtime = reliability.runtime()
         with review_mail.provider() as mail:
-            handler = ReviewJobHandler(runtime, mail, row_attempts=knobs.row_attempts, run_id=context.run_id,
-                                       hooks=hooks or NoHooks())
+            handler = ReviewJobHandler(runtime, mail, row_attempts=knobs.row_attempts, run_id=context.run_id)
             drained = run_drain(context, runtime, PIPELINE, policies, handler, config)
         totals = handler.metadata()
         context.log.info(", ".join(f"{v} {k}" for k, v in totals.items() if v) or "no recipient touched")
