@@ -5,6 +5,7 @@
     redrive dlq replay ID --note "INC-123: key rotated" --confirm-safe [--from-start]
     redrive dlq replay-bulk --pipeline P --error-class C [--since …] --rate 2 --note … --confirm-safe
     redrive dlq resolve ID --note "redone by hand"
+    redrive dlq reconcile [--limit N]
     redrive alerts dispatch
     redrive db upgrade | downgrade
 
@@ -198,6 +199,27 @@ def dlq_resolve(dead_letter_id: int, note: Annotated[str | None, typer.Option(he
     typer.echo(json.dumps(letter.as_json(), default=str, indent=2) if as_json else f"dead letter {letter.id}: resolved")
 
 
+@dlq.command("reconcile")
+def dlq_reconcile(limit: Annotated[int, typer.Option(help="at most this many per pipeline")] = 100) -> None:
+    """Dead-letter (and alert) every entity failed for good without a dead letter, as the
+    redrive_dead_letter_reconciliation sensor does every 5 minutes."""
+    from orchestration.registry import load_pipelines  # the command is an edge: it may load the pipelines
+    from redrive.reconcile import reconcile
+    from redrive.reliability import Reliability
+    from resources.factory import notifier_from
+
+    settings = Settings()
+    sources = {k: v for p in load_pipelines(settings) for k, v in p.failed_for_good.items()}
+    with database_session(settings) as url:
+        runtime = Reliability(engine=engine_for(url),
+                              channels=notifier_from(settings).process_config_and_initialize().channels(),
+                              burst_window=settings.alert_burst_window_seconds)
+        repaired = reconcile(runtime, sources, limit=limit)
+    for r in repaired:
+        typer.echo(f"{r.pipeline} {r.entity_ref}: dead letter {r.dead_letter_id} written")
+    typer.echo(f"{len(repaired)} repaired ({', '.join(sources)} checked)")
+
+
 @alerts_app.command("dispatch")
 def alerts_dispatch() -> None:
     """Send pending alerts now (the alert sensor does this every 30 s)."""
@@ -206,7 +228,7 @@ def alerts_dispatch() -> None:
 
     settings = Settings()
     with database_session(settings) as url:
-        runtime = Reliability(engine=engine_for(url), channels=notifier_from(settings).channels(),
+        runtime = Reliability(engine=engine_for(url), channels=notifier_from(settings).process_config_and_initialize().channels(),
                               burst_window=settings.alert_burst_window_seconds)
         report = runtime.try_dispatch()
     typer.echo(f"{report}" if report else "no channel configured")

@@ -12,6 +12,7 @@ from redrive.settings import Settings
 from resources.factory import build_resources
 from sensors.core import (
     alert_delivery_sensor,
+    dead_letter_reconciliation_sensor,
     dead_letter_replay_sensor,
     deferred_retry_sensor,
     run_failure_alert_sensor,
@@ -24,6 +25,7 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     logs.install()
     pipelines = load_pipelines(settings)
     replay_targets = {k: v for p in pipelines for k, v in p.replay_targets.items()}
+    failed_for_good = {k: v for p in pipelines for k, v in p.failed_for_good.items()}
     resources = build_resources(settings)
     for p in pipelines:
         resources.update(p.resources)
@@ -36,10 +38,14 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
             alert_delivery_sensor(),
             run_failure_alert_sensor(),
             dead_letter_replay_sensor(replay_targets),
+            dead_letter_reconciliation_sensor(failed_for_good),
             *[deferred_retry_sensor(name, target) for name, target in replay_targets.items()],
             *[s for p in pipelines for s in p.sensors],
         ],
         resources=resources,
+        # Every job's ops run in the run's own process: a step process per op would load the code location
+        # again (~4 CPU-s each) for jobs whose ops are sequential anyway. No job here has parallel ops that pay.
+        executor=dg.in_process_executor,
     )
 
 

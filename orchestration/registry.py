@@ -32,6 +32,8 @@ class PipelineDefs:
     replay_targets: Mapping[str, Any] = field(default_factory=dict)
     # pipeline names whose replays and retries are rows of the core's work queue (drain runs)
     drained: Sequence[str] = ()
+    # pipeline name → `(conn, limit) -> [FinalFailure]` from its repository (redrive.reconcile)
+    failed_for_good: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -87,3 +89,48 @@ def all_metadata() -> sa.MetaData:
     for module in (*CORE_SCHEMAS, *(p.schema for p in PIPELINES)):
         importlib.import_module(module)
     return metadata
+
+
+def missing_pieces(pipeline: Pipeline, settings: Settings) -> list[str]:
+    """What docs/adding-a-pipeline.md requires and this pipeline lacks; empty when it is complete.
+
+    Its wiring builds `PipelineDefs` named like the entry; its schema module adds at least one
+    table; its demo has `run_demo`; its commands import; and a dead letter of it can be replayed
+    (`redrive dlq replay`): it is drained (a replay is its work row falling due) or has a replay target.
+    """
+    missing: list[str] = []
+
+    def load(module: str, what: str) -> Any:
+        try:
+            return importlib.import_module(module)
+        except ImportError as exc:
+            missing.append(f"{what}: cannot import {module} ({exc})")
+            return None
+
+    from redrive.schema import metadata
+
+    before = set(metadata.tables)
+    schema = load(pipeline.schema, "schema")
+    if schema is not None:
+        own = [t for t in vars(schema).values() if isinstance(t, sa.Table) and t.metadata is metadata]
+        if not own and not (set(metadata.tables) - before):
+            missing.append(f"schema: {pipeline.schema} defines no table on redrive.schema.metadata")
+    demo = load(pipeline.demo, "demo")
+    if demo is not None and not callable(getattr(demo, "run_demo", None)):
+        missing.append(f"demo: {pipeline.demo} has no run_demo(ctx)")
+    for name, target in pipeline.commands.items():
+        module, _, attr = target.partition(":")
+        loaded = load(module, f"command {name}")
+        if loaded is not None and not hasattr(loaded, attr):
+            missing.append(f"command {name}: {target} does not exist")
+    wiring = load(pipeline.wiring, "wiring")
+    if wiring is None:
+        return missing
+    defs = wiring.pipeline_defs(settings)
+    if defs.name != pipeline.name:
+        missing.append(f"wiring: pipeline_defs names the pipeline {defs.name!r}, the registry {pipeline.name!r}")
+    if pipeline.name not in defs.drained and pipeline.name not in defs.replay_targets:
+        missing.append("replay: neither drained nor given a replay target; `redrive dlq replay` could not run it")
+    if not (defs.jobs or defs.assets):
+        missing.append("wiring: no job and no asset")
+    return missing

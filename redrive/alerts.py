@@ -10,6 +10,7 @@ a count. Channels only carry text; formatting and grouping are decided here.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -117,6 +118,22 @@ class DispatchReport:
     failed_attempts: int = 0
 
 
+def delivery_token(channel: str, alert_uids: Sequence[str]) -> str:
+    """The provider idempotency token of one message: from the alerts' UUIDs, never serial ids (pure).
+
+    A recreated or restored database reuses ids 1, 2, …; a provider that saw `alerts:email:1-1` before
+    would take a new alert for a resend and drop it (or refuse it forever with other text). One alert
+    is named by its uid; a folded group by a UUID derived from its members, so a resend of the same
+    group is the same token.
+    """
+    uids = sorted(str(u) for u in alert_uids)
+    ident = uids[0] if len(uids) == 1 else str(uuid.uuid5(_GROUP_NAMESPACE, ",".join(uids)))
+    return f"alerts:{channel}:{ident}"
+
+
+_GROUP_NAMESPACE = uuid.UUID("5a1e7c2e-8f6d-4c1b-9a53-2d1f0c9b7e41")
+
+
 def retry_delay(attempts: int) -> float:
     """Delivery retry backoff: 5 s doubling to 10 min; a Slack outage costs minutes of delay, not alerts."""
     return min(600.0, 5.0 * 2 ** max(0, attempts - 1))
@@ -166,7 +183,7 @@ def dispatch(
                 deferred += len(ids)
                 continue
             subject, text = render(rows)
-            token = f"alerts:{channel_name}:{min(ids)}-{max(ids)}"
+            token = delivery_token(channel_name, [r["uid"] for r in rows])
             try:
                 message_id = channel.send(subject, text, token)
             except Exception as exc:  # noqa: BLE001 - any channel failure is retried, never lost

@@ -175,6 +175,21 @@ def record(conn: sa.Connection, final: FinalFailure) -> Recorded:
     return Recorded(DeadLetter.from_row(row), created=False, escalated=escalate, replay_failed=was_replaying)
 
 
+def unrecorded(pipeline: str, entity_ref: sa.ColumnElement[Any],
+               failed_at: sa.ColumnElement[Any] | None = None) -> sa.ColumnElement[bool]:
+    """SQL: the entity that failed at ``failed_at`` has no dead letter for that failure (any status).
+
+    For a pipeline's "failed for good" query (redrive.reconcile): a letter written for this failure
+    or a later one counts, resolved or not, so an operator's resolve is never undone; an older
+    letter does not, so a job that failed again after a manual retry is still caught. Without
+    ``failed_at`` any letter of the entity counts (for entities that fail for good only once).
+    """
+    conditions = [dead_letters.c.pipeline == pipeline, dead_letters.c.entity_ref == entity_ref]
+    if failed_at is not None:
+        conditions.append(dead_letters.c.last_failure_at >= failed_at)
+    return ~sa.exists().where(*conditions)
+
+
 def get(conn: sa.Connection, dead_letter_id: int) -> DeadLetter | None:
     row = conn.execute(sa.select(dead_letters).where(dead_letters.c.id == dead_letter_id)).first()
     return DeadLetter.from_row(row) if row else None

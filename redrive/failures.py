@@ -39,6 +39,7 @@ __all__ = [
     "ConflictError",
     "Failure",
     "PermanentError",
+    "RUNTIME_BUGS",
     "RedriveError",
     "RetryableError",
     "classify_exception",
@@ -231,6 +232,26 @@ class PermanentError(RedriveError):
 def raise_failure(failure: Failure, cause: BaseException | None = None) -> NoReturn:
     """Raise the :class:`RedriveError` subclass for ``failure``, chained ``from`` its cause."""
     raise RedriveError.of(failure) from cause
+
+
+# ------------------------------------------------------------------------------------- runtime bugs
+
+RUNTIME_BUGS: tuple[type[BaseException], ...] = (
+    AssertionError,
+    TypeError,
+    AttributeError,  # includes a None dereference
+    LookupError,  # KeyError, IndexError
+    ValueError,  # after the payload errors above, which are ValueErrors too
+    NameError,  # UnboundLocalError
+    RuntimeError,  # NotImplementedError, RecursionError, "illegal state"
+    ArithmeticError,  # ZeroDivisionError, OverflowError
+    ImportError,  # a bad deploy: a module or name missing
+    SystemError,  # the interpreter's own invariant broke
+)
+"""Exceptions classified INVARIANT_VIOLATION: our code or its configuration is wrong, not the world."""
+
+_WRAPPERS: frozenset[type[BaseException]] = frozenset({RuntimeError, Exception})
+"""Generic types often raised `from` a real cause; the cause is consulted first."""
 
 
 # ------------------------------------------------------------------------------------- Retry-After
@@ -584,11 +605,17 @@ def classify_exception(
     library's wrapper around a timeout is still a timeout.
     """
     failure = _classify_one(exc, integrity, now)
+    if not (failure.core == Code.UNKNOWN or type(exc) in _WRAPPERS):
+        return failure
+    # A bare RuntimeError/Exception is often a wrapper (`raise RuntimeError("fetch failed") from timeout`):
+    # what it wraps names the failure better; with nothing recognisable inside, the wrapper's own code stands.
     cause = exc.__cause__
     hops = 0
-    while failure.core == Code.UNKNOWN and cause is not None and hops < 5:
+    while cause is not None and hops < 5:
         inner = _classify_one(cause, integrity, now)
-        if inner.core != Code.UNKNOWN:
+        if inner.core not in (Code.UNKNOWN, Code.INVARIANT_VIOLATION) or (
+            failure.core == Code.UNKNOWN and inner.core != Code.UNKNOWN
+        ):
             return replace(inner, detail=describe_exception(exc))
         cause, hops = cause.__cause__, hops + 1
     return failure
@@ -658,10 +685,8 @@ def _classify_one(exc: BaseException, integrity: Integrity, now: datetime | None
     if isinstance(exc, ConnectionError | socket.gaierror):
         return make(Code.NETWORK_ERROR)
 
-    # Programming errors: a retry runs the same code on the same state.
-    if isinstance(
-        exc,
-        AssertionError | TypeError | AttributeError | LookupError | ValueError | NameError | NotImplementedError,
-    ):
+    # Programming and configuration errors (002 §8.1 "Configuration/runtime bug": null dereference,
+    # illegal state, invariant violation, bad deploy config): a retry runs the same code on the same state.
+    if isinstance(exc, RUNTIME_BUGS):
         return make(Code.INVARIANT_VIOLATION)
     return make(Code.UNKNOWN)

@@ -1,22 +1,24 @@
 """Redaction of secrets and PII before text leaves the process (002 §8.4).
 
 Dead-letter payloads, ``last_stack``, ``matching_error`` columns, Slack alerts and logs all pass
-through here. Each removed value becomes a stable marker carrying a short hash of the value,
-``[REDACTED:email:sha256=1a2b3c4d5e6f]``, so an operator can tell "the same key failed twice"
+through here. Each removed value becomes a stable marker carrying a short keyed hash of the value,
+``[REDACTED:email:hmac=1a2b3c4d5e6f]``, so an operator can tell "the same key failed twice"
 without ever seeing the key.
 
-The hash is a plain, truncated SHA-256: it hides high-entropy secrets (keys, tokens) but a guessable
-value (a phone number, a common password) can be recovered by enumeration. It is a correlation
-aid, not encryption.
+The hash is an HMAC-SHA-256 under the install's redaction key (:mod:`redrive.keys`), so a
+guessable value (a phone number, a card number, a common password) cannot be recovered by
+hashing candidates: that takes the key. It is a correlation aid, not encryption.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
 import logging
 import re
+import secrets
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,10 +32,14 @@ __all__ = [
     "MAX_STACK_CHARS",
     "TEXT_HASH_THRESHOLD",
     "SanitizingFilter",
+    "configure_redaction_key",
     "digest",
     "install_log_sanitizer",
+    "iban_ok",
+    "is_pii_key",
     "is_secret_key",
     "is_text_key",
+    "luhn_ok",
     "marker",
     "sanitize_context",
     "sanitize_exception",
@@ -50,15 +56,37 @@ MAX_STACK_CHARS = 20_000
 _MAX_DEPTH = 20
 
 
+_KEY: list[bytes] = []  # the redaction key, loaded on first use (never at import time)
+
+
+def configure_redaction_key(key: bytes | None) -> None:
+    """Use ``key`` for markers from now on; None forgets it, so the next marker reloads the configured one."""
+    _KEY.clear()
+    if key is not None:
+        _KEY.append(key)
+
+
+def _redaction_key() -> bytes:
+    if not _KEY:
+        from redrive.keys import redaction_key  # keys reads settings; sanitize stays importable anywhere
+
+        try:
+            _KEY.append(redaction_key())
+        except OSError:  # no writable data dir: a process-local key still hides values, correlation stays in-process
+            _KEY.append(secrets.token_bytes(32))
+    return _KEY[0]
+
+
 def digest(value: object) -> str:
-    """First 12 hex digits of the SHA-256 of ``value`` (str as UTF-8, bytes as is, else ``repr``)."""
+    """First 12 hex digits of the HMAC-SHA-256 of ``value`` under the redaction key (str as UTF-8,
+    bytes as is, else ``repr``)."""
     if isinstance(value, bytes):
         data = value
     elif isinstance(value, str):
         data = value.encode("utf-8", "surrogatepass")
     else:
         data = repr(value).encode("utf-8", "surrogatepass")
-    return hashlib.sha256(data).hexdigest()[:12]
+    return hmac.new(_redaction_key(), data, hashlib.sha256).hexdigest()[:12]
 
 
 def _kind(name: str) -> str:
@@ -67,14 +95,15 @@ def _kind(name: str) -> str:
 
 def marker(kind: str, value: object) -> str:
     """The text that stands in for a redacted value: its kind and a short hash, never the value."""
-    return f"[REDACTED:{_kind(kind)}:sha256={digest(value)}]"
+    return f"[REDACTED:{_kind(kind)}:hmac={digest(value)}]"
 
 
 # Anything the sanitizer itself wrote. Text is split on these so no pattern ever looks inside one.
+# Markers written before the hash was keyed (``sha256=``) are recognised too, so stored text stays stable.
 _MARKER = re.compile(
-    r"\[REDACTED:[a-z0-9_]{1,32}:sha256=[0-9a-f]{12}\]"
-    r"|\[TEXT len=\d+ sha256=[0-9a-f]{12}\]"
-    r"|\[BYTES len=\d+ sha256=[0-9a-f]{12}\]"
+    r"\[REDACTED:[a-z0-9_]{1,32}:(?:hmac|sha256)=[0-9a-f]{12}\]"
+    r"|\[TEXT len=\d+ (?:hmac|sha256)=[0-9a-f]{12}\]"
+    r"|\[BYTES len=\d+ (?:hmac|sha256)=[0-9a-f]{12}\]"
 )
 
 
@@ -86,10 +115,46 @@ class _Rule:
     pattern: re.Pattern[str]
     group: str | None = None
     accept: Callable[[str], bool] | None = None  # extra check on the secret text
+    accept_match: Callable[[re.Match[str]], bool] | None = None  # extra check on the whole match
 
 
 def _digits_between(low: int, high: int) -> Callable[[str], bool]:
     return lambda text: low <= sum(ch.isdigit() for ch in text) <= high
+
+
+def luhn_ok(digits: str) -> bool:
+    """The Luhn check digit of a payment card number holds (ISO/IEC 7812-1)."""
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        n = int(ch)
+        if i % 2:
+            n = n * 2 - 9 if n > 4 else n * 2
+        total += n
+    return total % 10 == 0
+
+
+def _card(text: str) -> bool:
+    """13-19 digits, an issuer range (2-6: Mastercard, Amex/Diners/JCB, Visa, Mastercard, Discover/UnionPay)
+    and a valid Luhn digit: an epoch-millisecond timestamp (1…) or a random id rarely passes all three."""
+    digits = "".join(ch for ch in text if ch.isdigit())
+    return 13 <= len(digits) <= 19 and digits[0] in "23456" and luhn_ok(digits)
+
+
+def iban_ok(text: str) -> bool:
+    """ISO 13616 IBAN: 15-34 characters whose mod-97 check (country and check digits moved to the end) is 1."""
+    compact = "".join(text.split()).upper()
+    if not 15 <= len(compact) <= 34 or not compact.isalnum():
+        return False
+    rearranged = compact[4:] + compact[:4]
+    return int("".join(str(int(ch, 36)) for ch in rearranged)) % 97 == 1
+
+
+def _named_secret(match: re.Match[str]) -> bool:
+    value = match.group("dq") if match.group("dq") is not None else match.group("sq")
+    return is_secret_key(match.group("n")) and not (value and _HEADER_NAME.fullmatch(value) and is_secret_key(value))
+
+
+_HEADER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 
 
 # Keys whose value is a secret, as they appear in text: `password=…`, `"api_key": "…"`, `X-Amz-Signature=…`.
@@ -133,6 +198,36 @@ _RULES: tuple[_Rule, ...] = (
         ),
         "dq|sq|v",
     ),
+    # A secret given as a name/value pair: `{"name": "X-Api-Key", "value": "…"}` (JSON or Python repr,
+    # either order) and `("X-Api-Key", "…")` inside a list of headers (a lone `["authorization", "x-api-key"]`
+    # is a list of names, not a pair).
+    _Rule(
+        "secret",
+        re.compile(
+            r"(?i)[\"']?(?:name|key|header|field)[\"']?\s*[:=]\s*[\"'](?P<n>[A-Za-z0-9_.-]{1,64})[\"']\s*,\s*"
+            r"[\"']?value[\"']?\s*[:=]\s*(?:\"(?P<dq>[^\"\r\n]*)\"|'(?P<sq>[^'\r\n]*)')"
+        ),
+        "dq|sq",
+        accept_match=_named_secret,
+    ),
+    _Rule(
+        "secret",
+        re.compile(
+            r"(?i)[\"']?value[\"']?\s*[:=]\s*(?:\"(?P<dq>[^\"\r\n]*)\"|'(?P<sq>[^'\r\n]*)')\s*,\s*"
+            r"[\"']?(?:name|key|header|field)[\"']?\s*[:=]\s*[\"'](?P<n>[A-Za-z0-9_.-]{1,64})[\"']"
+        ),
+        "dq|sq",
+        accept_match=_named_secret,
+    ),
+    _Rule(
+        "secret",
+        re.compile(
+            r"(?<=[\[(,])\s*[\(\[]\s*[\"'](?P<n>[A-Za-z0-9_.-]{1,64})[\"']\s*,\s*"
+            r"(?:b?\"(?P<dq>[^\"\r\n]*)\"|b?'(?P<sq>[^'\r\n]*)')\s*[\)\]]"
+        ),
+        "dq|sq",
+        accept_match=_named_secret,
+    ),
     # Well-known API key shapes, wherever they appear.
     _Rule("api_key", re.compile(r"\b(?:sk|pk|rk)-(?:[A-Za-z0-9]+-)*[A-Za-z0-9_-]{16,}")),
     _Rule("api_key", re.compile(r"\b(?:sk|pk|rk)_(?:live|test)_[A-Za-z0-9]{12,}")),
@@ -141,6 +236,23 @@ _RULES: tuple[_Rule, ...] = (
     _Rule("github_token", re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,})")),
     _Rule("google_api_key", re.compile(r"\bAIza[0-9A-Za-z_-]{35}")),
     _Rule("private_key", re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?(?:-----END [A-Z ]*PRIVATE KEY-----|$)")),
+    # Payment cards: 13-19 digits, bare or in groups split by spaces or dashes, checked (see `_card`).
+    _Rule(
+        "card",
+        re.compile(r"(?<![\w.+-])(?:\d{13,19}|\d{4}(?:([ -])\d{2,7})(?:\1\d{1,7}){1,3})(?![\w-]?\d)"),
+        accept=_card,
+    ),
+    # Bank accounts: IBAN, compact or in groups of four, with its mod-97 check.
+    _Rule(
+        "iban",
+        re.compile(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?\b"),
+        accept=iban_ok,
+    ),
+    # US social security numbers: AAA-GG-SSSS (or spaces), minus the ranges the SSA never issues.
+    _Rule(
+        "ssn",
+        re.compile(r"(?<![\w.+-])(?!000|666|9\d\d)\d{3}([- ])(?!00)\d{2}\1(?!0000)\d{4}(?![\w-]?\d)"),
+    ),
     # Emails, but not the `user@` of a URL (`postgres://app@db:5432` names a role, not a person).
     _Rule(
         "email",
@@ -158,6 +270,17 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule("phone", re.compile(r"(?<![\w(.-])\(\d{3}\)[ .-]?\d{3}[ .-]\d{4}(?![\w.-]?\d)")),
     _Rule("phone", re.compile(r"(?<![\w.+-])\d{3}([ .-])\d{3}\1\d{4}(?![\w.-]?\d)")),
+    # Phones written without separators: a bare number is an id until something says it is a phone
+    # (`tel:`, "phone", "call", a `"mobile":` key); then 7-15 digits go.
+    _Rule(
+        "phone",
+        re.compile(
+            r"(?i)(?:\btel:|\b(?:phone|mobile|cell|tel|fax|sms|whatsapp|call|ring|text|msisdn|contact)"
+            r"(?:[_ -]?(?:no|num|number|nr))?\b[\"']?(?:[\s:=#-]+(?:me|us|him|her|them|is|at|on|to|via|no|nr|number|num)\b){0,3}"
+            r"[\s:=#\"']*)(?P<v>\+?\d{7,15})(?![\w.-]?\d)"
+        ),
+        "v",
+    ),
 )
 
 
@@ -173,6 +296,8 @@ def _secret_span(rule: _Rule, match: re.Match[str]) -> tuple[int, int] | None:
     if start == end:
         return None
     if rule.accept is not None and not rule.accept(match.string[start:end]):
+        return None
+    if rule.accept_match is not None and not rule.accept_match(match):
         return None
     return start, end
 
@@ -255,6 +380,34 @@ def is_secret_key(key: str) -> bool:
     return bool(_SECRET_KEY_ANYWHERE.search(norm) or _SECRET_KEY_SUFFIX.search(norm))
 
 
+_PII_KEY = re.compile(
+    r"^(?:[a-z]*(?:phone|mobile|msisdn|fax)(?:number|no|num)?|ssn|socialsecurity(?:number)?|iban|bankaccount(?:number)?"
+    r"|(?:credit)?cardnumber|creditcard|pan)$"
+)
+_PAIR_NAME_KEYS = ("name", "key", "header", "field")
+
+
+def is_pii_key(key: str) -> bool:
+    """True when a mapping key names personal data whose value goes whole (``phone``, ``iban``, ``ssn``, …)."""
+    return bool(_PII_KEY.match(_norm_key(key)))
+
+
+def _pair_name(obj: Mapping[Any, Any]) -> str | None:
+    """The secret name of a ``{"name": …, "value": …}`` pair, or None when it is not one."""
+    lowered = {str(k).lower(): v for k, v in obj.items()}
+    if "value" not in lowered:
+        return None
+    for key in _PAIR_NAME_KEYS:
+        name = lowered.get(key)
+        if isinstance(name, str) and (is_secret_key(name) or is_pii_key(name)):
+            return name
+    return None
+
+
+def _is_pair(item: Any) -> bool:
+    return isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], str)
+
+
 def is_text_key(key: str) -> bool:
     """True when a mapping key holds free text that may be a full prompt or body (hashed when long)."""
     return bool(_TEXT_KEY_SUFFIX.search(_norm_key(key)))
@@ -272,7 +425,7 @@ def truncate(text: str, limit: int = MAX_CONTEXT_STRING) -> str:
 
 
 def _text_marker(text: str) -> str:
-    return f"[TEXT len={len(text)} sha256={digest(text)}]"
+    return f"[TEXT len={len(text)} hmac={digest(text)}]"
 
 
 def _secret_value_marker(key: str, value: Any) -> str:
@@ -301,7 +454,7 @@ def sanitize_context(obj: Any, *, _depth: int = 0, _in_text: bool = False) -> An
         return truncate(sanitize_text(obj))
     if isinstance(obj, bytes | bytearray | memoryview):
         raw = bytes(obj)
-        return f"[BYTES len={len(raw)} sha256={digest(raw)}]"
+        return f"[BYTES len={len(raw)} hmac={digest(raw)}]"
     if isinstance(obj, Enum):
         return sanitize_context(obj.value, _depth=_depth + 1, _in_text=_in_text)
     if isinstance(obj, datetime | date):
@@ -309,15 +462,23 @@ def sanitize_context(obj: Any, *, _depth: int = 0, _in_text: bool = False) -> An
     if isinstance(obj, UUID):
         return str(obj)
     if isinstance(obj, Mapping):
+        named = _pair_name(obj)  # {"name": "X-Api-Key", "value": "…"}: the value is the secret
         out: dict[str, Any] = {}
         for key, value in obj.items():
             name = key if isinstance(key, str) else str(key)
             safe_key = truncate(sanitize_text(name), 128)
-            if is_secret_key(name) and value is not None:
+            if (is_secret_key(name) or is_pii_key(name)) and value is not None:
                 out[safe_key] = _secret_value_marker(name, value)
+            elif named is not None and name.lower() == "value" and value is not None:
+                out[safe_key] = _secret_value_marker(named, value)
             else:
                 out[safe_key] = sanitize_context(value, _depth=_depth + 1, _in_text=_in_text or is_text_key(name))
         return out
+    if isinstance(obj, list | tuple) and obj and all(_is_pair(item) for item in obj):
+        # a list of headers as (name, value) pairs: a secret name's value goes
+        return [[truncate(sanitize_text(name), 128),
+                 _secret_value_marker(name, value) if is_secret_key(name) and value is not None
+                 else sanitize_context(value, _depth=_depth + 2, _in_text=_in_text)] for name, value in obj]
     if isinstance(obj, list | tuple | set | frozenset):
         items = sorted(obj, key=repr) if isinstance(obj, set | frozenset) else obj
         return [sanitize_context(item, _depth=_depth + 1, _in_text=_in_text) for item in items]

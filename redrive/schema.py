@@ -7,7 +7,7 @@ register on the same MetaData, so `alembic check` sees one schema.
 from __future__ import annotations
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -72,6 +72,9 @@ alerts = sa.Table(
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
     sa.Column("dedupe_key", sa.Text, nullable=False, unique=True),
+    # The alert's identity outside this database (provider idempotency tokens): serial ids repeat in a
+    # recreated or restored database, a random UUID does not (issue 13 item 4).
+    sa.Column("uid", UUID(as_uuid=False), nullable=False, unique=True, server_default=sa.text("gen_random_uuid()")),
     sa.Column("group_key", sa.Text, nullable=False),
     sa.Column("pipeline", sa.Text, nullable=False),
     sa.Column("kind", sa.Text, nullable=False),

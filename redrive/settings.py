@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +56,15 @@ class Settings(BaseSettings):
     alert_email_from: str = "redrive@localhost"
     alert_burst_window_seconds: float = 300.0
     dagster_ui_url: str = "http://localhost:3000"
+    mail_api_token: str = Field(default="sandbox-token", description="Bearer token of the mail provider (alerts).")
+
+    # --- keys (redrive.keys; unset: generated once per install under REDRIVE_DATA_DIR/keys) ---------
+    redrive_redaction_key: SecretStr | None = Field(
+        default=None, description="HMAC key of redaction markers, so a redacted phone number cannot be guessed back."
+    )
+    redrive_secrets_key: SecretStr | None = Field(
+        default=None, description="Fernet key(s), comma-separated newest first, for secrets stored in tables."
+    )
 
     # --- retry timing ----------------------------------------------------------
     redrive_time_scale: float = Field(

@@ -25,17 +25,25 @@ class Gateway(Protocol):
     def close(self) -> None: ...
 
 
+def endpoint(base_url: str, name: str) -> httpx.URL:
+    """``name`` under GATEWAY_URL's path, keeping its query: ``https://gw/pdf/v1?key=k`` + ``convert`` is
+    ``https://gw/pdf/v1/convert?key=k`` (string concatenation put the path inside the query)."""
+    base = httpx.URL(base_url)
+    return base.copy_with(path=base.path.rstrip("/") + "/" + name.lstrip("/"))
+
+
 class HttpGateway:
     """One pooled HTTP client per worker; every call bounded by GATEWAY_TIMEOUT_MS."""
 
     def __init__(self, base_url: str, timeout_seconds: float, *, health_timeout_seconds: float = 5.0) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url = base_url
+        self._convert, self._health = endpoint(base_url, "convert"), endpoint(base_url, "health")
         self.timeout_seconds = timeout_seconds
         self._health_timeout = min(health_timeout_seconds, timeout_seconds)
         self._http = httpx.Client(timeout=timeout_seconds)
 
     def convert(self, pdf: bytes) -> bytes:
-        response = self._http.post(f"{self.base_url}/convert", content=pdf,
+        response = self._http.post(self._convert, content=pdf,
                                    headers={"Content-Type": "application/pdf", "Accept": "application/xml"})
         response.raise_for_status()
         return response.content
@@ -43,7 +51,7 @@ class HttpGateway:
     def healthy(self) -> bool:
         """003 §3.3's health probe: a 2xx from /health within a few seconds."""
         try:
-            response = self._http.get(f"{self.base_url}/health", timeout=self._health_timeout)
+            response = self._http.get(self._health, timeout=self._health_timeout)
         except httpx.HTTPError:
             return False
         return response.is_success

@@ -30,6 +30,7 @@ def notifier_from(settings: Settings) -> NotifierResource:
         email_to=settings.alert_email_to,
         email_from=settings.alert_email_from,
         mail_api_url=settings.mail_url,
+        mail_api_token=secret("MAIL_API_TOKEN", settings.mail_api_token),  # issue 13 item 4: not always the sandbox's
     )
 
 

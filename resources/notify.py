@@ -7,7 +7,7 @@ no base URL, so `SlackApiResource` adds one: the sandbox locally, Slack by defau
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from dagster import ConfigurableResource
@@ -30,7 +30,7 @@ class SlackApiResource(SlackResource):
 
 @dataclass(frozen=True)
 class SlackWebhookChannel:
-    url: str
+    url: str = field(repr=False)  # the webhook URL is a bearer credential
     name: str = "slack"
 
     def send(self, subject: str, text: str, token: str) -> str | None:
@@ -57,7 +57,7 @@ class EmailChannel:
     mail_url: str
     recipients: tuple[str, ...]
     sender: str
-    api_token: str = "sandbox-token"
+    api_token: str = field(default="sandbox-token", repr=False)  # never in a repr, a log or the UI
     name: str = "email"
 
     def send(self, subject: str, text: str, token: str) -> str | None:

@@ -17,6 +17,7 @@ from dagster._core.storage.tags import WILL_RETRY_TAG
 
 from redrive import deadletters, timers, work
 from redrive.alerts import Alert
+from redrive.reconcile import FailedForGood, reconcile
 from redrive.deadletters import DeadLetter
 from redrive.run_keys import run_key
 from redrive.sanitize import sanitize_text
@@ -197,5 +198,20 @@ def due_work_sensor(pipeline: str, job: dg.JobDefinition, *, by_partition: bool 
                                         tags={**tags, "redrive/due": str(backlog.due)})],
             cursor=str(round_no),
         )
+
+    return _sensor
+
+
+def dead_letter_reconciliation_sensor(sources: Mapping[str, FailedForGood], *, limit: int = 100,
+                                      minimum_interval_seconds: int = 300) -> dg.SensorDefinition:
+    @dg.sensor(name="redrive_dead_letter_reconciliation", minimum_interval_seconds=minimum_interval_seconds,
+               default_status=dg.DefaultSensorStatus.RUNNING)
+    def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource) -> dg.SkipReason:
+        """Gives every entity failed for good its dead letter and alert, if a crash between two commits lost them."""
+        repaired = reconcile(reliability.runtime(), sources, limit=limit)
+        if not repaired:
+            return dg.SkipReason(f"every failed entity of {', '.join(sources) or 'no pipeline'} has its dead letter")
+        shown = ", ".join(f"{r.pipeline}/{r.entity_ref} -> dead letter {r.dead_letter_id}" for r in repaired[:10])
+        return dg.SkipReason(f"repaired {len(repaired)} failed entities without a dead letter: {shown}")
 
     return _sensor

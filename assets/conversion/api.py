@@ -1,7 +1,7 @@
 """The conversion HTTP API and its page (003 §3.6), on Starlette (already the stack's ASGI framework).
 
     POST /api/jobs                 raw PDF body (X-Filename header for its name) → 201 job
-    GET  /api/jobs                 my jobs, newest first
+    GET  /api/jobs                 my jobs, newest first, and the server's time (`now`) for "next retry in …"
     GET  /api/jobs/{id}            one of my jobs
     GET  /api/jobs/{id}/result     the XML result
     POST /api/jobs/{id}/retry      003 §3.6 manual retry: only `failed` jobs whose PDF is still stored
@@ -19,20 +19,21 @@ Run it: ``python -m assets.conversion.api serve``; make a token: ``python -m ass
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 import sqlalchemy as sa
 import typer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
@@ -91,6 +92,47 @@ def job_json(job: repo.Job, files: FileStore) -> dict[str, Any]:
     }
 
 
+async def read_body(request: Request, limit: int, *, idle: float, total: float) -> bytes:
+    """The request body, at most `limit` bytes (413 TOO_LARGE), each chunk arriving within `idle` seconds and
+    the whole within `total` (408): a body that stops arriving must not hold a connection and its buffer.
+    Raises `ClientDisconnect` when the client goes away mid-body."""
+    body = bytearray()
+    stream = request.stream()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + total
+    try:
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(stream), timeout=max(0.0, min(idle, deadline - loop.time())))
+            except StopAsyncIteration:
+                return bytes(body)
+            body.extend(chunk)
+            if len(body) > limit:
+                raise ApiError(413, "TOO_LARGE", f"the PDF is larger than {limit} bytes")
+    except TimeoutError:
+        raise ApiError(408, "IO_ERROR", "the upload stopped arriving; send it again") from None
+
+
+def filename_of(request: Request) -> str | None:
+    """The upload's name: ``X-Filename`` percent-encoded UTF-8 (what ``encodeURIComponent`` gives; a header
+    value is ASCII), else ``?filename=``. A raw UTF-8 header, which Starlette reads as Latin-1, is decoded too."""
+    raw = request.headers.get("x-filename")
+    if raw:
+        try:
+            raw = raw.encode("latin-1").decode("utf-8")
+        except (UnicodeEncodeError, UnicodeDecodeError):
+            pass  # not raw UTF-8: keep what was sent
+        return unquote(raw, errors="replace")
+    return request.query_params.get("filename")
+
+
+def content_disposition(filename: str) -> str:
+    """RFC 6266 for a download: ``filename*`` (RFC 8187/5987: UTF-8, percent-encoded), which browsers and
+    curl -J use, and an ASCII ``filename`` for clients that know only that."""
+    fallback = "".join(c if c.isascii() and c.isprintable() and c not in '"\\' else "_" for c in filename)
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(filename, safe='')}"
+
+
 def create_app(engine: sa.Engine, settings: ConversionSettings, clock: Clock | None = None) -> Starlette:
     clock = clock or SystemClock()
     files = FileStore(settings.uploads_dir, settings.results_dir)
@@ -127,7 +169,8 @@ def create_app(engine: sa.Engine, settings: ConversionSettings, clock: Clock | N
         owner = owner_of(request)
         with engine.connect() as conn:
             jobs = repo.list_for(conn, owner)
-        return JSONResponse({"jobs": [job_json(j, files) for j in jobs]})
+        # the server's clock, so the page says "next retry in 1 min" by the same time the worker goes by
+        return JSONResponse({"jobs": [job_json(j, files) for j in jobs], "now": clock.now().isoformat()})
 
     async def get_job(request: Request) -> Response:
         owner = owner_of(request)
@@ -142,19 +185,19 @@ def create_app(engine: sa.Engine, settings: ConversionSettings, clock: Clock | N
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > settings.upload_max_bytes:
             raise ApiError(413, "TOO_LARGE", f"the PDF is larger than {settings.upload_max_bytes} bytes")
-        body = bytearray()
-        async for chunk in request.stream():
-            body.extend(chunk)
-            if len(body) > settings.upload_max_bytes:
-                raise ApiError(413, "TOO_LARGE", f"the PDF is larger than {settings.upload_max_bytes} bytes")
-        data = bytes(body)
+        try:
+            data = await read_body(request, settings.upload_max_bytes, idle=settings.upload_idle_timeout_sec,
+                                   total=settings.upload_body_timeout_sec)
+        except ClientDisconnect:
+            # the client is gone: nobody reads an answer, and it is not our error (no traceback)
+            log.info('{"event":"upload_abandoned","owner":"%s","reason":"client disconnected"}', owner)
+            return Response(status_code=400)
         problem = policy.upload_error(data[: policy.PDF_HEADER_WINDOW], len(data), settings.upload_max_bytes)
         if problem == "TOO_LARGE":
             raise ApiError(413, "TOO_LARGE", f"the PDF is larger than {settings.upload_max_bytes} bytes")
         if problem == "NOT_PDF":
             raise ApiError(415, "NOT_PDF", "the upload is not a PDF document")
-        name = policy.display_name(unquote(request.headers.get("x-filename") or "")
-                                   or request.query_params.get("filename"))
+        name = policy.display_name(filename_of(request))
         job_id = str(uuid.uuid4())
         location = files.save_source(job_id, data)
         try:
@@ -179,7 +222,7 @@ def create_app(engine: sa.Engine, settings: ConversionSettings, clock: Clock | N
             raise ApiError(410, "EXPIRED", "the result is no longer stored")
         stem = job.filename.rsplit(".", 1)[0] or "result"
         return FileResponse(files.result_path(job.result_location), media_type="application/xml",
-                            filename=f"{stem}.xml")
+                            headers={"Content-Disposition": content_disposition(f"{stem}.xml")})
 
     async def retry(request: Request) -> Response:
         owner = owner_of(request)
@@ -202,7 +245,10 @@ def create_app(engine: sa.Engine, settings: ConversionSettings, clock: Clock | N
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return error(exc.status, exc.code, exc.message)
+        response = error(exc.status, exc.code, exc.message)
+        if exc.status in (408, 413):  # the rest of the body is not read: this connection cannot serve another request
+            response.headers["Connection"] = "close"
+        return response
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

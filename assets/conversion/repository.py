@@ -24,6 +24,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
+from redrive import deadletters
+from redrive.deadletters import FinalFailure
+from redrive.failures import Failure
 from redrive.schema import NOW, TZ, metadata
 from redrive.vocabularies import CONVERSION_PUBLIC_CODES
 
@@ -477,3 +480,25 @@ def owner_for(conn: sa.Connection, token: str) -> str | None:
         sa.select(conversion_api_tokens.c.owner).where(
             conversion_api_tokens.c.token_sha256 == token_hash(token), conversion_api_tokens.c.revoked_at.is_(None))
     ).scalar()
+
+
+# ------------------------------------------------------------------------------------ reconciliation
+
+
+def failed_for_good(conn: sa.Connection, limit: int) -> list[FinalFailure]:
+    """Jobs ``failed`` (worker or reclaim) with no dead letter for that failure: a crash between the job's
+    commit and the dead letter's (issue 13 item 3). `redrive.reconcile` writes what is missing."""
+    j = conversion_jobs
+    rows = conn.execute(
+        sa.select(j.c.id, j.c.owner, j.c.error_code, j.c.error_message, j.c.attempt_count, j.c.updated_at)
+        .where(j.c.status == "failed", deadletters.unrecorded("conversion", sa.cast(j.c.id, sa.Text), j.c.updated_at))
+        .order_by(j.c.updated_at).limit(limit)
+    )
+    return [FinalFailure(
+        pipeline="conversion", stage="convert", entity_ref=str(r.id), attempts=r.attempt_count, at=r.updated_at,
+        tenant=r.owner, failure=Failure(code=r.error_code or "UNKNOWN", retryable=False, retry_after=None,
+                                        message=f"conversion failed for good ({r.error_code or 'UNKNOWN'})",
+                                        detail=r.error_message or ""),
+        context={"job_id": str(r.id), "error_code": r.error_code, "reconciled": True},
+        payload_ref={"table": "conversion_jobs", "id": str(r.id)},
+    ) for r in rows]

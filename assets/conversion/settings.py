@@ -52,6 +52,10 @@ class ConversionSettings(BaseSettings):
     uploads_dir: Path = Field(default=PROJECT_ROOT / ".data" / "conversion" / "uploads", description="UPLOADS_DIR")
     results_dir: Path = Field(default=PROJECT_ROOT / ".data" / "conversion" / "results", description="RESULTS_DIR")
     upload_max_bytes: int = Field(default=20 * 1024 * 1024, ge=1, description="(ours) UPLOAD_MAX_BYTES: above, TOO_LARGE.")
+    upload_idle_timeout_sec: float = Field(
+        default=30, gt=0, description="(ours) UPLOAD_IDLE_TIMEOUT_SEC: an upload body silent this long is 408 IO_ERROR.")
+    upload_body_timeout_sec: float = Field(
+        default=300, gt=0, description="(ours) UPLOAD_BODY_TIMEOUT_SEC: a whole upload body must arrive within this.")
     conversion_api_host: str = Field(default="127.0.0.1", description="(ours) where `serve` listens.")
     conversion_api_port: int = Field(default=8090, description="(ours) where `serve` listens.")
 
@@ -77,4 +81,4 @@ class ConversionSettings(BaseSettings):
 
     def gateway_base_url(self, core: Settings) -> str:
         """GATEWAY_URL, else the core's PDF gateway (PDF_GATEWAY_URL or the sandbox)."""
-        return (self.gateway_url or core.pdf_url or "http://127.0.0.1:9/pdf/v1").rstrip("/")
+        return self.gateway_url or core.pdf_url or "http://127.0.0.1:9/pdf/v1"  # joined by resources.conversion.endpoint

@@ -72,7 +72,7 @@ def handler(runtime: Reliability, criticizer_http: CriticizerHttpResource, llm: 
                 status = criticizer_http.post_webhook(
                     request.webhook_url,
                     policy.webhook_payload(request.request_id, request.artifact_url, critique, sha),
-                    {**request.webhook_headers, "Idempotency-Key": key},
+                    {**request.delivery_headers(), "Idempotency-Key": key},
                 )
                 with runtime.engine.begin() as conn:
                     repository.record_delivery(conn, request.request_id, repository.WEBHOOK, key, status,

@@ -15,8 +15,10 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
+from cryptography.fernet import InvalidToken
 from sqlalchemy.dialects.postgresql import JSONB, insert
 
+from redrive import keys
 from redrive.schema import NOW, TZ, metadata
 
 SUBMITTED, PROCESSING, DONE = "submitted", "processing", "done"
@@ -30,7 +32,8 @@ criticizer_requests = sa.Table(
     sa.Column("artifact_url", sa.Text, nullable=False),
     sa.Column("rubric", sa.Text, nullable=False),
     sa.Column("webhook_url", sa.Text, nullable=False),
-    # credentials for the requester's webhook: sent with the delivery, copied nowhere else
+    # credentials for the requester's webhook: sent with the delivery, copied nowhere else, and stored
+    # encrypted (`seal_headers`; issue 13 item 14): a database dump or a SELECT shows no header value
     sa.Column("webhook_headers", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
     sa.Column("fingerprint", sa.Text, nullable=False),
     sa.Column("status", sa.Text, nullable=False, server_default=SUBMITTED),
@@ -58,6 +61,31 @@ criticizer_deliveries = sa.Table(
     sa.Column("delivered_at", TZ, nullable=False),
     sa.CheckConstraint("target IN ('webhook', 'slack')", name="target"),
 )
+
+
+SEALED = "fernet:"
+"""Prefix of an encrypted header value; a value without it was stored before encryption (read as is)."""
+
+
+def seal_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """Header values encrypted with the install's secrets key (REDRIVE_SECRETS_KEY), names kept readable."""
+    if not headers:
+        return {}
+    cipher = keys.secrets_cipher()
+    return {name: SEALED + cipher.encrypt(value.encode()).decode() for name, value in headers.items()}
+
+
+def open_headers(stored: Mapping[str, str]) -> dict[str, str]:
+    """The header values to send, decrypted when the run needs them (a wrong key raises InvalidToken)."""
+    if not any(v.startswith(SEALED) for v in stored.values()):
+        return dict(stored)
+    cipher = keys.secrets_cipher()
+    try:
+        return {name: cipher.decrypt(value[len(SEALED):].encode()).decode() if value.startswith(SEALED) else value
+                for name, value in stored.items()}
+    except InvalidToken as exc:  # a deploy without the key the headers were sealed with: a config bug (002 §8.1)
+        raise RuntimeError("webhook headers cannot be decrypted: REDRIVE_SECRETS_KEY is not the key they "
+                           "were stored with") from exc
 
 
 class RequestIdConflict(Exception):
@@ -91,6 +119,10 @@ class CritiqueRequestRow:
         m = row._mapping
         return cls(**{f: m[f] for f in cls.__dataclass_fields__})
 
+    def delivery_headers(self) -> dict[str, str]:
+        """The webhook headers in clear, for the delivery only."""
+        return open_headers(self.webhook_headers)
+
     def __repr__(self) -> str:  # never print the rubric or header values by accident
         return f"CritiqueRequestRow({self.request_id!r}, status={self.status!r})"
 
@@ -101,7 +133,7 @@ def create(conn: sa.Connection, *, request_id: str, tenant: str | None, artifact
     row = conn.execute(
         insert(criticizer_requests)
         .values(request_id=request_id, tenant=tenant, artifact_url=artifact_url, rubric=rubric,
-                webhook_url=webhook_url, webhook_headers=dict(webhook_headers), fingerprint=fingerprint)
+                webhook_url=webhook_url, webhook_headers=seal_headers(webhook_headers), fingerprint=fingerprint)
         .on_conflict_do_nothing(index_elements=["request_id"])
         .returning(criticizer_requests.c.request_id)
     ).first()

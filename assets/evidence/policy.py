@@ -17,10 +17,10 @@ import uuid
 import zipfile
 import zlib
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import IO, Literal
 from uuid import UUID
 
 from redrive.backoff import EVIDENCE_BACKOFF, BackoffPolicy
@@ -108,6 +108,10 @@ _MAGIC: Mapping[str, tuple[bytes, ...]] = {
     "jpeg": (b"\xff\xd8\xff",),
     "gif": (b"GIF87a", b"GIF89a"),
 }
+READ_CHUNK = 1 << 16  # members are read in chunks of this size, never whole
+_EOCD, _EOCD_SIZE, _EOCD_SEARCH = b"PK\x05\x06", 22, 22 + 0xFFFF  # end record (+ a comment of up to 64 KiB)
+_ZIP64_EOCD, _ZIP64_EOCD_SIZE, _ZIP64_LOCATOR_SIZE = b"PK\x06\x06", 56, 20
+DIRECTORY_BYTES_PER_ENTRY = 1024  # a directory entry is 46 bytes and its name: room for long paths
 
 
 class ArchiveRejected(Exception):
@@ -178,18 +182,52 @@ def _file_type(name: str) -> str | None:
     return base.rsplit(".", 1)[1].lower() if "." in base.strip(".") else None
 
 
-def _digest_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[str, int, bytes]:
-    """sha256, size and first bytes of a member, streaming; raises on CRC or decompression errors."""
+class MemberTooLarge(Exception):
+    """A member decompressed to more bytes than its limit allows (whatever its header declared)."""
+
+
+class _Bounded(io.RawIOBase):
+    """A member's decompressed stream that raises `MemberTooLarge` past `limit` bytes.
+
+    `zipfile` stops at the size the central directory declares, so a lying header ends in a CRC
+    error; counting here as well keeps the bound ours rather than an implementation detail.
+    """
+
+    def __init__(self, raw: IO[bytes], limit: int) -> None:
+        self._raw, self._limit, self.size = raw, limit, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        data = self._raw.read(min(len(buffer), READ_CHUNK))
+        self.size += len(data)
+        if self.size > self._limit:
+            raise MemberTooLarge(f"more than {self._limit} bytes")
+        buffer[: len(data)] = data
+        return len(data)
+
+
+def read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int) -> bytes:
+    """A member's bytes, refused (`MemberTooLarge`) before its declared or actual size passes `limit`."""
+    if info.file_size > limit:
+        raise MemberTooLarge(f"declares {info.file_size} bytes")
+    with zf.open(info) as member:
+        return _Bounded(member, limit).readall()
+
+
+def _digest_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int) -> tuple[str, int, bytes]:
+    """sha256, size and first bytes of a member, streaming in chunks; raises on CRC or decompression
+    errors and `MemberTooLarge` past `limit`."""
     sha = hashlib.sha256()
-    size = 0
     head = b""
     with zf.open(info) as member:
-        while chunk := member.read(1 << 16):
+        stream = _Bounded(member, limit)
+        while chunk := stream.read(READ_CHUNK):
             if len(head) < 16:
                 head += chunk[: 16 - len(head)]
             sha.update(chunk)
-            size += len(chunk)
-    return sha.hexdigest(), size, head
+    return sha.hexdigest(), stream.size, head
 
 
 def _parse_file(zf: zipfile.ZipFile, members: Mapping[str, zipfile.ZipInfo], index: int, raw: str, seen: set[str],
@@ -211,7 +249,10 @@ def _parse_file(zf: zipfile.ZipFile, members: Mapping[str, zipfile.ZipInfo], ind
         return ParsedFile(index, name, file_type, info.file_size, None, INVALID_FORMAT,
                           f"file is larger than {max_file_bytes} bytes")
     try:
-        sha, size, head = _digest_member(zf, info)
+        sha, size, head = _digest_member(zf, info, max_file_bytes)
+    except MemberTooLarge:
+        return ParsedFile(index, name, file_type, None, None, INVALID_FORMAT,
+                          f"file is larger than {max_file_bytes} bytes")
     except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError) as exc:
         return ParsedFile(index, name, file_type, info.file_size, None, CORRUPTED_FILE,
                           f"file cannot be decompressed ({type(exc).__name__})")
@@ -223,20 +264,66 @@ def _parse_file(zf: zipfile.ZipFile, members: Mapping[str, zipfile.ZipInfo], ind
     return ParsedFile(index, name, file_type, size, sha)
 
 
-def parse_archive(data: bytes, *, file_types: frozenset[str], max_file_bytes: int,
-                  max_archive_bytes: int) -> ParsedArchive:
+@dataclass(frozen=True)
+class ArchiveLimits:
+    """How much of a file job's ZIP ingest reads (EVIDENCE_* settings; 004 names no figures).
+
+    Each bounds memory or work whatever the archive: the directory (`zipfile` holds one object per
+    entry), the manifest (streamed, never read whole), the rows and files it names, and every member
+    (declared and actual size). Crossing one rejects the archive as INVALID_FORMAT, saying which.
+    """
+
+    max_file_bytes: int = 25 * 1024 * 1024
+    max_archive_bytes: int = 1024 * 1024 * 1024
+    max_manifest_bytes: int = 4 * 1024 * 1024
+    max_manifest_rows: int = 10_000
+    max_named_files: int = 20_000
+    max_members: int = 20_000
+
+
+def zip_directory(fp: IO[bytes]) -> tuple[int, int] | None:
+    """(entries, bytes) of the central directory as the ZIP's end record declares them, read from the
+    tail before `zipfile` builds a ZipInfo per entry (it reads as many bytes as declared, whatever the
+    entry count says); None when there is no end record, which `zipfile` then rejects."""
+    fp.seek(0, io.SEEK_END)
+    size = fp.tell()
+    fp.seek(max(0, size - _EOCD_SEARCH))
+    tail = fp.read()
+    at = tail.rfind(_EOCD)
+    if at < 0 or len(tail) - at < _EOCD_SIZE:
+        return None
+    entries = int.from_bytes(tail[at + 10:at + 12], "little")
+    directory = int.from_bytes(tail[at + 12:at + 16], "little")
+    if entries != 0xFFFF and directory != 0xFFFFFFFF:
+        return entries, directory
+    record = tail[max(0, at - _ZIP64_LOCATOR_SIZE - _ZIP64_EOCD_SIZE):max(0, at - _ZIP64_LOCATOR_SIZE)]
+    if len(record) == _ZIP64_EOCD_SIZE and record[:4] == _ZIP64_EOCD:  # where `zipfile` looks for it too
+        return int.from_bytes(record[32:40], "little"), int.from_bytes(record[40:48], "little")
+    return entries, directory
+
+
+def parse_archive(source: bytes | IO[bytes], *, file_types: frozenset[str], limits: ArchiveLimits) -> ParsedArchive:
     """Validate a file job's ZIP: a manifest row per dispute case, each naming its evidence files.
 
     Only a problem with the archive as a whole raises (`ArchiveRejected`); a malformed row or a bad
     file becomes that row's or file's error code, so nothing the merchant sent is silently dropped.
+    Memory is bounded by `limits`, not by the archive: members and the manifest are streamed.
     """
+    lim = limits
+    fp = io.BytesIO(source) if isinstance(source, bytes | bytearray) else source
     try:
-        zf = zipfile.ZipFile(io.BytesIO(data))
+        directory = zip_directory(fp)
+        if directory is not None and (directory[0] > lim.max_members
+                                      or directory[1] > lim.max_members * DIRECTORY_BYTES_PER_ENTRY):
+            raise ArchiveRejected(INVALID_FORMAT, f"the archive has more than {lim.max_members} entries")
+        zf = zipfile.ZipFile(fp)
         infos = [i for i in zf.infolist() if not i.is_dir()]
     except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError) as exc:
         raise ArchiveRejected(CORRUPTED_FILE, f"the upload is not a readable ZIP archive ({type(exc).__name__})") from exc
-    if sum(i.file_size for i in infos) > max_archive_bytes:
-        raise ArchiveRejected(INVALID_FORMAT, f"the archive expands to more than {max_archive_bytes} bytes")
+    if len(infos) > lim.max_members:
+        raise ArchiveRejected(INVALID_FORMAT, f"the archive has more than {lim.max_members} entries")
+    if sum(i.file_size for i in infos) > lim.max_archive_bytes:
+        raise ArchiveRejected(INVALID_FORMAT, f"the archive expands to more than {lim.max_archive_bytes} bytes")
     members: dict[str, zipfile.ZipInfo] = {}
     for info in infos:
         name = normalise_member(info.filename)
@@ -245,13 +332,27 @@ def parse_archive(data: bytes, *, file_types: frozenset[str], max_file_bytes: in
     manifest = next((m for n, m in members.items() if n.lower() == MANIFEST_NAME), None)
     if manifest is None:
         raise ArchiveRejected(INVALID_FORMAT, f"the archive has no {MANIFEST_NAME} at its root")
+    too_big = ArchiveRejected(INVALID_FORMAT, f"{MANIFEST_NAME} is larger than {lim.max_manifest_bytes} bytes")
+    if manifest.file_size > lim.max_manifest_bytes:
+        raise too_big
     try:
-        text = zf.read(manifest).decode("utf-8-sig")
+        with zf.open(manifest) as raw:
+            text = io.TextIOWrapper(io.BufferedReader(_Bounded(raw, lim.max_manifest_bytes)),
+                                    encoding="utf-8-sig", newline="")
+            return ParsedArchive(tuple(_parse_manifest(zf, members, text,
+                                                       frozenset(file_types), lim)))
+    except MemberTooLarge as exc:
+        raise too_big from exc
     except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
         raise ArchiveRejected(CORRUPTED_FILE, f"{MANIFEST_NAME} cannot be decompressed") from exc
     except UnicodeDecodeError as exc:
         raise ArchiveRejected(INVALID_FORMAT, f"{MANIFEST_NAME} is not UTF-8 text") from exc
-    reader = csv.reader(io.StringIO(text, newline=""))
+
+
+def _parse_manifest(zf: zipfile.ZipFile, members: Mapping[str, zipfile.ZipInfo], text: IO[str],
+                    file_types: frozenset[str], lim: ArchiveLimits) -> Iterator[ParsedRow]:
+    """The manifest's rows as they are read; the stream under `text` stops at the manifest's limit."""
+    reader = csv.reader(text)
     try:
         header = [h.strip().lower() for h in next(reader)]
     except StopIteration:
@@ -261,21 +362,28 @@ def parse_archive(data: bytes, *, file_types: frozenset[str], max_file_bytes: in
     if CASE_COLUMN not in header or FILES_COLUMN not in header:
         raise ArchiveRejected(INVALID_FORMAT, f"{MANIFEST_NAME} needs the columns {CASE_COLUMN} and {FILES_COLUMN}")
     case_at, files_at = header.index(CASE_COLUMN), header.index(FILES_COLUMN)
-    file_types = frozenset(file_types)
-    rows: list[ParsedRow] = []
+    rows = named = 0
     while True:
         try:
             record = next(reader)
         except StopIteration:
-            break
+            return
         except csv.Error as exc:  # e.g. a NUL byte: the line is malformed, the next one may be fine
-            rows.append(ParsedRow(reader.line_num, "", None, (), INVALID_FORMAT, f"line is not valid CSV ({exc})"[:200]))
-            continue
-        if not any(cell.strip() for cell in record):
-            continue  # blank lines are not rows
-        rows.append(_parse_row(zf, members, reader.line_num, record, len(header), case_at, files_at,
-                               file_types, max_file_bytes))
-    return ParsedArchive(tuple(rows))
+            record = None
+            row = ParsedRow(reader.line_num, "", None, (), INVALID_FORMAT, f"line is not valid CSV ({exc})"[:200])
+        if record is not None:
+            if not any(cell.strip() for cell in record):
+                continue  # blank lines are not rows
+            if files_at < len(record):
+                named += record[files_at].count(FILE_SEPARATOR) + 1
+            if named > lim.max_named_files:
+                raise ArchiveRejected(INVALID_FORMAT, f"{MANIFEST_NAME} names more than {lim.max_named_files} files")
+            row = _parse_row(zf, members, reader.line_num, record, len(header), case_at, files_at,
+                             file_types, lim.max_file_bytes)
+        rows += 1
+        if rows > lim.max_manifest_rows:
+            raise ArchiveRejected(INVALID_FORMAT, f"{MANIFEST_NAME} has more than {lim.max_manifest_rows} rows")
+        yield row
 
 
 def _parse_row(zf: zipfile.ZipFile, members: Mapping[str, zipfile.ZipInfo], line_no: int, record: list[str],

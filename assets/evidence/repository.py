@@ -32,6 +32,9 @@ from assets.evidence.policy import (
     RETRYING,
     VALID,
 )
+from redrive import deadletters
+from redrive.deadletters import FinalFailure
+from redrive.failures import Failure
 from redrive.schema import NOW, TZ, metadata
 
 UUIDType = PG_UUID(as_uuid=True)
@@ -827,3 +830,42 @@ def save_alert_state(conn: sa.Connection, state: policy.AlertState, now: datetim
 def forced_n2_jobs(conn: sa.Connection, since: datetime) -> list[FileJob]:
     rows = conn.execute(sa.select(file_job).where(file_job.c.n2_forced.is_(True), file_job.c.updated_at >= since))
     return [FileJob.from_row(x) for x in rows]
+
+
+# ------------------------------------------------------------------------------------ reconciliation
+
+
+def failed_for_good(conn: sa.Connection, limit: int) -> list[FinalFailure]:
+    """Settled rows with a final failure an operator can act on (not DATA: N2's) and no dead letter at all:
+    the worker settles the artifacts, then dead-letters the row in a second transaction. A replayed row
+    keeps its letter, so any letter counts. See `redrive.reconcile`."""
+    a = file_job_artifact
+    entity = sa.cast(a.c.file_job_id, sa.Text) + "/" + sa.cast(a.c.file_job_row_id, sa.Text)
+    final_ops = sa.and_(a.c.retry_status == PERMANENT_FAILED, a.c.error_category != policy.DATA_CATEGORY)
+    rows = conn.execute(
+        sa.select(a.c.file_job_id, a.c.file_job_row_id,
+                  sa.func.array_agg(a.c.attachment_error_code).filter(final_ops).label("codes"),
+                  sa.func.count().label("total"), sa.func.max(a.c.attempt_count).label("attempts"),
+                  sa.func.max(a.c.updated_at).label("failed_at"))
+        .group_by(a.c.file_job_id, a.c.file_job_row_id)
+        .having(sa.func.bool_and(sa.or_(a.c.attachment_status == ATTACHED, a.c.retry_status == PERMANENT_FAILED)))
+        .having(sa.func.count().filter(final_ops) > 0)
+        .having(deadletters.unrecorded("evidence", entity))
+        .order_by(sa.func.max(a.c.updated_at)).limit(limit)
+    )
+    out = []
+    for r in rows:
+        found = policy.row_final_code([c or "SYSTEM_ERROR" for c in r.codes])
+        if found is None:
+            continue
+        code, count = found
+        out.append(FinalFailure(
+            pipeline="evidence", stage="attach", entity_ref=policy.row_entity(r.file_job_id, r.file_job_row_id),
+            attempts=r.attempts, at=r.failed_at,
+            failure=Failure(code=code, retryable=False, retry_after=None,
+                            message=f"{len(r.codes)} of {r.total} evidence files failed for good ({code}×{count})",
+                            detail=""),
+            context={"file_job_id": str(r.file_job_id), "row_id": str(r.file_job_row_id), "reconciled": True},
+            payload_ref={"table": "file_job_row", "id": str(r.file_job_row_id), "file_job_id": str(r.file_job_id)},
+        ))
+    return out

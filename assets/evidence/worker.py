@@ -10,15 +10,15 @@ for the stage runner to retry the run step or dead-letter it.
 
 from __future__ import annotations
 
-import io
 import logging
 import posixpath
+import tempfile
 import zipfile
 from collections.abc import Iterable
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 from uuid import UUID
 
 import botocore.exceptions
@@ -36,6 +36,8 @@ from resources.evidence import CaseApiClient, MailClient
 log = logging.getLogger(__name__)
 
 UPLOAD_THREADS = 8
+UPLOAD_BUFFER_BYTES = 64 * 1024 * 1024  # evidence bytes held for uploads in flight, at most (+ one file)
+SPOOL_IN_MEMORY_BYTES = 8 * 1024 * 1024  # a file job's ZIP is kept in memory up to this, on disk beyond
 OUTCOME_BATCH = 20  # outcomes per transaction; the claims make a lost batch cost lookups, not duplicates
 CONTENT_TYPES = {"pdf": "application/pdf", "png": "image/png", "jpg": "image/jpeg", "jpeg": "image/jpeg",
                  "gif": "image/gif", "txt": "text/plain", "csv": "text/csv", "html": "text/html"}
@@ -282,24 +284,26 @@ class IngestResult:
 def ingest(runtime: Reliability, s3: Any, options: EvidenceOptions, job: repo.FileJob) -> IngestResult:
     """Read the file job's ZIP, extract its evidence to S3, and record rows, artifacts and their attach
     events in one transaction. An unreadable archive is the file job's error (N1/N2 tell the merchant),
-    not a crash; S3 trouble other than a missing object is raised for the stage runner to retry."""
+    not a crash; S3 trouble other than a missing object is raised for the stage runner to retry.
+    The ZIP is spooled to disk and read member by member, so memory does not grow with the archive."""
     if job.status != policy.RECEIVED:
         return IngestResult(job.status, {}, {}, [])
-    try:
-        obj = s3.get_object(Bucket=job.source_bucket, Key=job.source_key)
-        data = obj["Body"].read()
-        etag = str(obj.get("ETag", "")).strip('"')
-        if etag != job.source_etag.strip('"'):
-            raise policy.ArchiveRejected(policy.S3_NOT_FOUND, "the uploaded version was replaced by a newer upload")
-        parsed = policy.parse_archive(data, file_types=options.file_types(), max_file_bytes=options.max_file_bytes,
-                                      max_archive_bytes=options.max_archive_bytes)
-    except policy.ArchiveRejected as rejected:
-        return _reject(runtime, job, rejected.code, rejected.message)
-    except botocore.exceptions.ClientError as exc:
-        if (exc.response.get("Error") or {}).get("Code") not in ("NoSuchKey", "404", "NotFound"):
-            raise
-        return _reject(runtime, job, policy.S3_NOT_FOUND, "the uploaded archive is no longer in S3")
-    _upload(s3, options, job, data, parsed)
+    with tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY_BYTES) as spool:
+        try:
+            obj = s3.get_object(Bucket=job.source_bucket, Key=job.source_key)
+            etag = str(obj.get("ETag", "")).strip('"')
+            if etag != job.source_etag.strip('"'):
+                obj["Body"].close()
+                raise policy.ArchiveRejected(policy.S3_NOT_FOUND, "the uploaded version was replaced by a newer upload")
+            _download(obj, spool, options.max_zip_bytes)
+            parsed = policy.parse_archive(spool, file_types=options.file_types(), limits=options.archive_limits())
+        except policy.ArchiveRejected as rejected:
+            return _reject(runtime, job, rejected.code, rejected.message)
+        except botocore.exceptions.ClientError as exc:
+            if (exc.response.get("Error") or {}).get("Code") not in ("NoSuchKey", "404", "NotFound"):
+                raise
+            return _reject(runtime, job, policy.S3_NOT_FOUND, "the uploaded archive is no longer in S3")
+        _upload(s3, options, job, spool, parsed)
     with runtime.engine.begin() as conn:
         current = repo.get_file_job(conn, job.id, lock=True)
         if current is None or current.status != policy.RECEIVED:  # another run got here first
@@ -310,6 +314,24 @@ def ingest(runtime: Reliability, s3: Any, options: EvidenceOptions, job: repo.Fi
     return IngestResult(policy.INGESTED, counts, parsed.error_counts(), notes)
 
 
+def _download(obj: dict[str, Any], spool: IO[bytes], limit: int) -> None:
+    """Copy the object's body into `spool` in chunks, refusing it past `limit` bytes (declared or read)."""
+    too_big = policy.ArchiveRejected(policy.INVALID_FORMAT, f"the uploaded archive is larger than {limit} bytes")
+    body = obj["Body"]
+    try:
+        if int(obj.get("ContentLength") or 0) > limit:
+            raise too_big
+        size = 0
+        while chunk := body.read(policy.READ_CHUNK):
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            spool.write(chunk)
+    finally:
+        body.close()
+    spool.seek(0)
+
+
 def _reject(runtime: Reliability, job: repo.FileJob, code: str, message: str) -> IngestResult:
     with runtime.engine.begin() as conn:
         repo.mark_ingest_failed(conn, job.id, code, message, runtime.now())
@@ -318,9 +340,11 @@ def _reject(runtime: Reliability, job: repo.FileJob, code: str, message: str) ->
     return IngestResult(policy.INGEST_FAILED, {"rows": 0, "artifacts": 0}, {code: 1}, notes)
 
 
-def _upload(s3: Any, options: EvidenceOptions, job: repo.FileJob, data: bytes, parsed: policy.ParsedArchive) -> None:
-    """Put every valid file under its derived key; a re-run puts the same bytes at the same keys."""
-    zf = zipfile.ZipFile(io.BytesIO(data))
+def _upload(s3: Any, options: EvidenceOptions, job: repo.FileJob, archive: IO[bytes],
+            parsed: policy.ParsedArchive) -> None:
+    """Put every valid file under its derived key; a re-run puts the same bytes at the same keys.
+    At most UPLOAD_BUFFER_BYTES of files (and one more file) are held while uploads are in flight."""
+    zf = zipfile.ZipFile(archive)
     members: dict[str | None, zipfile.ZipInfo] = {}
     for info in zf.infolist():
         if not info.is_dir():
@@ -330,7 +354,8 @@ def _upload(s3: Any, options: EvidenceOptions, job: repo.FileJob, data: bytes, p
         s3.put_object(Bucket=options.bucket, Key=key, Body=body, ContentType=content_type,
                       Metadata={"sha256": sha, "file-job-id": str(job.id)})
 
-    in_flight: deque[Future[None]] = deque()
+    in_flight: deque[tuple[Future[None], int]] = deque()
+    held = 0
     with ThreadPoolExecutor(max_workers=UPLOAD_THREADS) as pool:
         for prow in parsed.rows:
             if not prow.ok:
@@ -339,11 +364,16 @@ def _upload(s3: Any, options: EvidenceOptions, job: repo.FileJob, data: bytes, p
             for f in prow.files:
                 if not f.ok:
                     continue
-                while len(in_flight) >= 4 * UPLOAD_THREADS:  # bounded memory: a few files' bytes at a time
-                    in_flight.popleft().result()  # the first S3 error is raised for the stage runner
+                while in_flight and (len(in_flight) >= 4 * UPLOAD_THREADS
+                                     or held + (f.size or 0) > UPLOAD_BUFFER_BYTES):
+                    done, size = in_flight.popleft()
+                    done.result()  # the first S3 error is raised for the stage runner
+                    held -= size
                 aid = policy.artifact_id(rid, f.index, f.name)
-                in_flight.append(pool.submit(put, options.s3_key(job.id, aid, f.name), zf.read(members[f.name]),
-                                             CONTENT_TYPES.get(f.file_type or "", "application/octet-stream"),
-                                             f.sha256 or ""))
+                body = policy.read_member(zf, members[f.name], options.max_file_bytes)
+                in_flight.append((pool.submit(put, options.s3_key(job.id, aid, f.name), body,
+                                              CONTENT_TYPES.get(f.file_type or "", "application/octet-stream"),
+                                              f.sha256 or ""), len(body)))
+                held += len(body)
         while in_flight:
-            in_flight.popleft().result()
+            in_flight.popleft()[0].result()

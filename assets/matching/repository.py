@@ -17,6 +17,9 @@ from sqlalchemy.dialects.postgresql import ARRAY, insert
 
 from assets.matching import policy
 from assets.matching.policy import FAILED, IN_PROGRESS, PENDING, SUCCEEDED, Candidate, DocumentIn, Edge, Prepared
+from redrive import deadletters
+from redrive.deadletters import FinalFailure
+from redrive.failures import Failure
 from redrive.schema import NOW, TZ, metadata
 
 document = sa.Table(
@@ -396,3 +399,29 @@ def status_counts(conn: sa.Connection, ids: Iterable[str]) -> dict[str | None, i
     rows = conn.execute(sa.select(document.c.matching_status, sa.func.count()).where(
         document.c.id.in_(list(ids))).group_by(document.c.matching_status))
     return {r[0]: r[1] for r in rows}
+
+
+# ------------------------------------------------------------------------------------ reconciliation
+
+
+def failed_for_good(conn: sa.Connection, limit: int) -> list[FinalFailure]:
+    """Documents ``failed`` with no dead letter for that failure (the worker marks the document, then
+    dead-letters it in a second transaction; a crash between leaves this). See `redrive.reconcile`."""
+    rows = conn.execute(
+        sa.select(document.c.id, document.c.tenant, document.c.matching_error, document.c.matching_attempts,
+                  document.c.matching_failed_at)
+        .where(document.c.matching_status == FAILED, document.c.matching_failed_at.is_not(None),
+               deadletters.unrecorded(policy.PIPELINE, document.c.id, document.c.matching_failed_at))
+        .order_by(document.c.matching_failed_at).limit(limit)
+    )
+    out = []
+    for r in rows:
+        code = (r.matching_error or "UNKNOWN").split(":", 1)[0].strip() or "UNKNOWN"
+        out.append(FinalFailure(
+            pipeline=policy.PIPELINE, stage="match", entity_ref=r.id, attempts=r.matching_attempts,
+            at=r.matching_failed_at, tenant=r.tenant,
+            failure=Failure(code=code[:64], retryable=False, retry_after=None,
+                            message="document matching failed for good", detail=r.matching_error or ""),
+            context={"reconciled": True}, payload_ref={"table": "document", "document_id": r.id},
+        ))
+    return out

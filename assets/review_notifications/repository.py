@@ -18,6 +18,9 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB, insert
 
 from assets.review_notifications import policy
+from redrive import deadletters
+from redrive.deadletters import FinalFailure
+from redrive.failures import Failure
 from redrive.schema import NOW, TZ, metadata
 
 review_jobs = sa.Table(
@@ -404,3 +407,31 @@ def status_counts(conn: sa.Connection, job_id: int) -> dict[str, int]:
     rows = conn.execute(sa.select(review_deliveries.c.status, sa.func.count())
                         .where(review_deliveries.c.job_id == job_id).group_by(review_deliveries.c.status))
     return {status: n for status, n in rows}
+
+
+# ------------------------------------------------------------------------------------ reconciliation
+
+
+def failed_for_good(conn: sa.Connection, limit: int) -> list[FinalFailure]:
+    """Delivery rows ``failed`` with no dead letter at all. The sender dead-letters first and fails the row
+    second (its clock, then the database's), so times cannot be compared; a failed row is final until a
+    replay reopens its letter, so any letter counts. See `redrive.reconcile`."""
+    d = review_deliveries
+    ref = d.c.changelist_id + ":v" + sa.cast(d.c.review_version, sa.Text) + ":d" + sa.cast(d.c.id, sa.Text)
+    rows = conn.execute(
+        sa.select(d.c.id, d.c.changelist_id, d.c.review_version, d.c.attempts, d.c.last_error, d.c.updated_at,
+                  ref.label("ref"))
+        .where(d.c.status == policy.D_FAILED, deadletters.unrecorded(policy.PIPELINE, ref))
+        .order_by(d.c.updated_at).limit(limit)
+    )
+    out = []
+    for r in rows:
+        code = (r.last_error or "INTERNAL_ERROR").split(":", 1)[0].strip() or "INTERNAL_ERROR"
+        out.append(FinalFailure(
+            pipeline=policy.PIPELINE, stage="send", entity_ref=r.ref, attempts=max(1, r.attempts), at=r.updated_at,
+            failure=Failure(code=code[:64], retryable=False, retry_after=None,
+                            message="review notification failed for good", detail=r.last_error or ""),
+            context={"delivery_id": r.id, "reconciled": True},
+            payload_ref={"table": "review_deliveries", "id": r.id},
+        ))
+    return out

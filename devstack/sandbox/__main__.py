@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-file", type=Path, help="write the URL here once listening")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument("--no-access-log", dest="access_log", action="store_false")
+    parser.add_argument("--mail-token", help="mail sends must carry this bearer token (default: any token)")
     args = parser.parse_args(argv)
 
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal;
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sandbox: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
         return 2
     config = uvicorn.Config(
-        create_app(),
+        create_app(mail_token=args.mail_token),
         log_level=args.log_level,
         access_log=args.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,

@@ -326,6 +326,9 @@ async def lookup_attachment(request: Request, state: SandboxState, step: Step) -
 
 
 async def send_mail(request: Request, state: SandboxState, step: Step) -> Response:
+    required = getattr(request.app.state, "mail_token", None)  # `--mail-token`: a provider that checks its key
+    if required is not None and bearer_token(request) != required:
+        return JSONResponse(service_error("UNAUTHORIZED", "unknown or missing API token"), status_code=401)
     try:
         mail = MailRequest.model_validate(await _json_body(request))
     except ValidationError as exc:
@@ -627,8 +630,9 @@ async def admin_mark_cases_missing(request: Request, state: SandboxState) -> Res
     return JSONResponse({"missing": sorted(missing.case_ids)})
 
 
-def create_app(*, clock: Clock = utc_now) -> Starlette:
-    """A sandbox with fresh state; `clock` stamps log entries (inject one in tests)."""
+def create_app(*, clock: Clock = utc_now, mail_token: str | None = None) -> Starlette:
+    """A sandbox with fresh state; `clock` stamps log entries (inject one in tests); with `mail_token`,
+    mail sends with any other bearer token are refused with 401."""
     state = SandboxState(clock)
     routes = [
         # providers
@@ -663,4 +667,5 @@ def create_app(*, clock: Clock = utc_now) -> Starlette:
     ]
     app = Starlette(routes=routes)
     app.state.sandbox = state
+    app.state.mail_token = mail_token
     return app

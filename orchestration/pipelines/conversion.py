@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from assets.conversion import pipeline
+from assets.conversion import pipeline, repository
 from assets.conversion.settings import PIPELINE, ConversionSettings
 from orchestration.registry import PipelineDefs
 from redrive.settings import Settings
@@ -18,6 +18,7 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
         jobs=[pipeline.conversion_worker_job, pipeline.conversion_breaker_probe_job, pipeline.conversion_replay_job],
         sensors=[conversion_worker_sensor()],
         resources={"conversion": ConversionResource.from_settings(knobs, knobs.gateway_base_url(settings))},
+        failed_for_good={PIPELINE: repository.failed_for_good},
         replay_targets={PIPELINE: ReplayTarget(job=pipeline.conversion_replay_job,
                                                run_config=pipeline.replay_run_config)},
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets.evidence import pipeline, policy
+from assets.evidence import pipeline, policy, repository
 from assets.evidence.settings import EvidenceOptions, EvidenceSettings
 from assets.evidence.worker import WorkerHooks
 from orchestration.registry import PipelineDefs
@@ -36,6 +36,7 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
             "evidence_options": EvidenceOptions.from_settings(evidence, settings.redrive_bucket),
             "evidence_hooks": dg.ResourceDefinition.hardcoded_resource(WorkerHooks(), "no-op test seam of the worker"),
         },
+        failed_for_good={pipeline.PIPELINE: repository.failed_for_good},
         replay_targets={
             pipeline.PIPELINE: ReplayTarget(job=pipeline.evidence_attach_job, run_config=pipeline.attach_run_config,
                                             partition_key=policy.partition_of),

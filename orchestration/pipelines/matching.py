@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from assets.matching import pipeline
+from assets.matching import pipeline, repository
 from assets.matching.policy import PIPELINE
 from assets.matching.settings import MatchingSettings
 from orchestration.registry import PipelineDefs
@@ -43,6 +43,7 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
             matching_stuck_sensor(minimum_interval_seconds=matching.stuck_sensor_interval_seconds),
         ],
         resources={"matching": matching_resource(settings, matching)},
+        failed_for_good={PIPELINE: repository.failed_for_good},
         replay_targets={PIPELINE: ReplayTarget(job=pipeline.matching_requeue_job,
                                                run_config=pipeline.requeue_run_config)},
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from assets.review_notifications import pipeline, policy
+from assets.review_notifications import pipeline, policy, repository
 from assets.review_notifications.settings import ReviewNotificationSettings
 from orchestration.registry import PipelineDefs
 from redrive.settings import Settings
@@ -28,4 +28,5 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
         # Retries and dead-letter replays (of a job or of one recipient) are rows of the work queue
         # falling due: the drain runs work them, no per-entity run or replay target.
         drained=[policy.PIPELINE],
+        failed_for_good={policy.PIPELINE: repository.failed_for_good},
     )

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import http.server
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import quote
 
 import pytest
 import sqlalchemy as sa
 from starlette.testclient import TestClient
+from werkzeug.http import parse_options_header
 
 from assets.conversion import repository as repo
 from assets.conversion.api import BANNER, create_app
@@ -176,3 +185,145 @@ def test_metrics_expose_the_counters_and_gauges_of_003(client, tokens, engine, s
     assert 'redrive_circuit_breaker_open{breaker="pdf-gateway"} 0.0' in text
     assert "redrive_conversion_gateway_latency_p95_seconds" in text
     # /metrics needs no token: Prometheus scrapes it from inside the network
+
+
+# ------------------------------------------------------------------- bounded input (issue 13 item 9)
+
+
+def raw_upload(base_url: str, token: str, *, declared: int, sent: bytes) -> socket.socket:
+    """Open a real connection and send an upload's headers and only `sent` of its `declared` body bytes."""
+    host, port = base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall((f"POST /api/jobs HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\n"
+                  f"Content-Type: application/pdf\r\nX-Filename: stalled.pdf\r\nContent-Length: {declared}\r\n\r\n"
+                  ).encode() + sent)
+    return sock
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    data = b""
+    while chunk := sock.recv(65536):  # the server closes the connection after answering
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+def test_a_body_that_stops_arriving_is_a_408_and_the_connection_is_closed(engine, conv_settings, tokens,
+                                                                          serve_app) -> None:
+    """Half a body, then silence: after UPLOAD_IDLE_TIMEOUT_SEC the server answers 408 IO_ERROR in one line and
+    closes the connection (no job, no file) instead of holding it and its buffer forever."""
+    knobs = conv_settings.model_copy(update={"upload_idle_timeout_sec": 0.3})
+    url = serve_app(create_app(engine, knobs))
+    sock = raw_upload(url, tokens["alice"], declared=4000, sent=make_pdf()[:200])
+    try:
+        status, headers, body = read_response(sock)  # a socket timeout (10 s) here means the server waited on
+    finally:
+        sock.close()
+    assert status == 408 and headers["connection"] == "close"
+    assert json.loads(body) == {"error": "IO_ERROR", "message": "the upload stopped arriving; send it again"}
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(repo.conversion_jobs)).scalar() == 0
+    assert list(conv_settings.uploads_dir.iterdir()) == []
+
+
+def test_a_client_gone_mid_upload_is_one_log_line_without_a_traceback(engine, conv_settings, tokens, serve_app,
+                                                                       caplog) -> None:
+    """The client sends half its PDF and hangs up: one info line `upload_abandoned`, no ERROR record, no traceback
+    (neither ours nor uvicorn's "Exception in ASGI application"), no job and no file."""
+    caplog.set_level(logging.INFO)
+    url = serve_app(create_app(engine, conv_settings))
+    sock = raw_upload(url, tokens["alice"], declared=100_000, sent=make_pdf())
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+    def settled() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "upload_abandoned" in r.getMessage() or r.levelno >= logging.ERROR]
+
+    deadline = time.monotonic() + 10
+    while not settled() and time.monotonic() < deadline:
+        time.sleep(0.02)  # waiting for the server thread to see the hang-up; nothing is timed
+    [record] = settled()
+    assert record.levelno == logging.INFO and record.exc_info is None, record.getMessage()
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(repo.conversion_jobs)).scalar() == 0
+    assert list(conv_settings.uploads_dir.iterdir()) == []
+
+
+NAME = "Relevé 7 東京 Ωmega.pdf"  # letters of any script are kept (policy.display_name)
+
+
+@pytest.mark.parametrize("header", [quote(NAME, safe=""), NAME.encode()], ids=["percent-encoded", "raw-utf8"])
+def test_a_utf8_filename_goes_up_and_comes_back_down(client, tokens, make_worker, header) -> None:
+    """Upload: X-Filename is percent-encoded UTF-8 (the page's encodeURIComponent; a raw UTF-8 header is read
+    too). Download: RFC 6266 `filename*=UTF-8''…` that a standard parser decodes, with an ASCII fallback."""
+    created = client.post("/api/jobs", content=make_pdf(), headers={
+        **auth(tokens, "alice"), "Content-Type": "application/pdf", "X-Filename": header})
+    assert created.status_code == 201 and created.json()["filename"] == NAME
+    assert make_worker().step() == "processed"
+    download = client.get(f"/api/jobs/{created.json()['id']}/result", headers=auth(tokens, "alice"))
+    assert download.status_code == 200
+    disposition = download.headers["content-disposition"]
+    kind, params = parse_options_header(disposition)  # werkzeug's RFC 6266/2231 parser (moto's server brings it)
+    assert (kind, params["filename"]) == ("attachment", "Relevé 7 東京 Ωmega.xml")  # filename* wins (RFC 6266 §4.3)
+    assert disposition.isascii() and 'filename="Relev_ 7 __ _mega.xml"' in disposition
+
+
+# ---------------------------------------------------------------------------------- GATEWAY_URL joins
+
+
+class Recorder(http.server.BaseHTTPRequestHandler):
+    """A gateway that answers everything with 200 and remembers the paths (with query) it was asked for."""
+
+    seen: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._answer()
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self._answer()
+
+    def _answer(self) -> None:
+        type(self).seen.append(self.path)
+        self.send_response(200)
+        self.send_header("Content-Length", "9")
+        self.end_headers()
+        self.wfile.write(b"<doc/>\n\n\n")
+
+    def log_message(self, *args: object) -> None:
+        return None
+
+
+@pytest.fixture
+def recorder() -> Iterator[str]:
+    Recorder.seen = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("suffix, convert, health", [
+    ("/pdf/v1", "/pdf/v1/convert", "/pdf/v1/health"),
+    ("/pdf/v1/?key=k%2F1&region=eu", "/pdf/v1/convert?key=k%2F1&region=eu", "/pdf/v1/health?key=k%2F1&region=eu"),
+    ("?next=/", "/convert?next=/", "/health?next=/"),
+], ids=["path", "path-and-query", "query-ending-in-slash"])
+def test_gateway_url_with_a_path_or_query_is_joined_not_concatenated(recorder, conv_settings, suffix, convert,
+                                                                     health) -> None:
+    """GATEWAY_URL's path is kept and extended, its query string kept as the query, through the real HTTP client."""
+    from redrive.settings import Settings
+    from resources.conversion import HttpGateway
+
+    knobs = conv_settings.model_copy(update={"gateway_url": recorder + suffix})
+    gateway = HttpGateway(knobs.gateway_base_url(Settings()), 5)
+    try:
+        assert gateway.convert(make_pdf()) == b"<doc/>\n\n\n" and gateway.healthy()
+    finally:
+        gateway.close()
+    assert Recorder.seen == [convert, health]

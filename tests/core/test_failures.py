@@ -286,7 +286,7 @@ def _stdlib_cases() -> list[tuple[BaseException, Code]]:
         (KeyError("stage"), Code.INVARIANT_VIOLATION),
         (ValueError("illegal state"), Code.INVARIANT_VIOLATION),
         (WeirdLibraryError("???"), Code.UNKNOWN),
-        (RuntimeError("???"), Code.UNKNOWN),
+        (RuntimeError("???"), Code.INVARIANT_VIOLATION),  # issue 13 item 2: a runtime bug, not unclassified
     ]
 
 

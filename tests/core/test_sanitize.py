@@ -23,7 +23,7 @@ from redrive.sanitize import (
     truncate,
 )
 
-MARKER = re.compile(r"\[REDACTED:[a-z0-9_]+:sha256=[0-9a-f]{12}\]")
+MARKER = re.compile(r"\[REDACTED:[a-z0-9_]+:hmac=[0-9a-f]{12}\]")
 
 # (text containing a canary, the canary that must disappear, text that must stay)
 CANARIES = [
@@ -75,9 +75,9 @@ def test_marker_carries_a_stable_short_hash() -> None:
     """The same value always gets the same marker, so operators can correlate without seeing it."""
     a = sanitize_text("mail jane@example.com")
     b = sanitize_text("again jane@example.com!")
-    expected = f"[REDACTED:email:sha256={digest('jane@example.com')}]"
+    expected = f"[REDACTED:email:hmac={digest('jane@example.com')}]"
     assert expected in a and expected in b
-    assert len(digest("x")) == 12 and marker("email", "x") == f"[REDACTED:email:sha256={digest('x')}]"
+    assert len(digest("x")) == 12 and marker("email", "x") == f"[REDACTED:email:hmac={digest('x')}]"
 
 
 @pytest.mark.parametrize(
@@ -195,8 +195,8 @@ def test_sanitize_context_redacts_secret_keys_and_hashes_prompts() -> None:
     assert out["request_id"] == "req-8f2c" and out["attempt"] == 3 and out["upstream_status"] == 429
     assert out["max_tokens"] == 512 and out["idempotency_key"] == "cl-42:bob:v3"
     assert out["headers"]["Content-Type"] == "application/json"
-    assert out["Authorization"].startswith("[REDACTED:authorization:sha256=")
-    assert out["prompt"] == f"[TEXT len={len(prompt)} sha256={digest(prompt)}]"
+    assert out["Authorization"].startswith("[REDACTED:authorization:hmac=")
+    assert out["prompt"] == f"[TEXT len={len(prompt)} hmac={digest(prompt)}]"
     assert out["messages"][0]["content"].startswith("[TEXT len=")
     assert out["messages"][1]["content"] == "short"
 
@@ -221,9 +221,9 @@ def test_sanitize_context_handles_bytes_sets_and_objects() -> None:
             return "opaque for ops@example.com"
 
     out = sanitize_context({"raw": b"\x00secret", "tags": {"b", "a"}, "when": Opaque()})
-    assert out["raw"].startswith("[BYTES len=7 sha256=")
+    assert out["raw"].startswith("[BYTES len=7 hmac=")
     assert out["tags"] == ["a", "b"]
-    assert out["when"].startswith("opaque for [REDACTED:email:sha256=")
+    assert out["when"].startswith("opaque for [REDACTED:email:hmac=")
 
 
 @pytest.mark.parametrize(
@@ -261,7 +261,7 @@ def test_sanitize_exception_removes_canary_keeps_type_and_frames() -> None:
         stack = sanitize_exception(exc)
     assert "sk-proj-CANARYcanary1234567890" not in stack
     assert "ops@example.com" not in stack
-    assert "RuntimeError: provider refused key [REDACTED:api_key:sha256=" in stack
+    assert "RuntimeError: provider refused key [REDACTED:api_key:hmac=" in stack
     assert "LookupError: stage llm failed" in stack
     assert "in _fail_with_canary" in stack and 'File "' in stack
     assert "The above exception was the direct cause" in stack
@@ -293,7 +293,7 @@ def test_log_filter_removes_canary_from_real_logger_output(caplog: pytest.LogCap
         output = caplog.text + "".join(r.getMessage() for r in caplog.records)
         assert "sk-proj-CANARYcanary1234567890" not in output
         assert "ops@example.com" not in output
-        assert "calling provider with key [REDACTED:api_key:sha256=" in output
+        assert "calling provider with key [REDACTED:api_key:hmac=" in output
         assert "RuntimeError: provider refused key [REDACTED:api_key" in caplog.text
         assert "in _fail_with_canary" in caplog.text
     finally:
@@ -306,7 +306,7 @@ def test_handler_filter_covers_records_from_child_loggers(caplog: pytest.LogCapt
     with caplog.at_level(logging.INFO):
         logging.getLogger("redrive.some.child").warning("token=%s", "tok_CANARY_999")
     assert "tok_CANARY_999" not in caplog.text
-    assert "token=[REDACTED:secret:sha256=" in caplog.text
+    assert "token=[REDACTED:secret:hmac=" in caplog.text
 
 
 def test_filter_is_safe_to_apply_twice() -> None:

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from assets.criticizer import api, policy
 from assets.criticizer.cli import app
-from assets.criticizer.repository import criticizer_requests
+from assets.criticizer.repository import SEALED, criticizer_requests, open_headers
 
 SECRET = "hdr-canary-5e1f0a77"
 GOOD = {
@@ -105,7 +105,10 @@ def test_command_submits_reads_header_from_env_and_shows_status(db_url, engine, 
     assert json.loads(out.output) == {"request_id": "cli-1", "created": True}
     with engine.connect() as conn:
         headers = conn.execute(sa.select(criticizer_requests.c.webhook_headers)).scalar_one()
-    assert headers == {"Authorization": f"Bearer {SECRET}", "X-Team": "reviews"}
+    # issue 13 item 14: stored sealed, names readable, values only for the delivery
+    assert set(headers) == {"Authorization", "X-Team"} and SECRET not in json.dumps(headers)
+    assert all(v.startswith(SEALED) for v in headers.values())
+    assert open_headers(headers) == {"Authorization": f"Bearer {SECRET}", "X-Team": "reviews"}
 
     shown = cli(db_url, "status", "cli-1", "--json")
     assert json.loads(shown.output)["status"] == "submitted" and SECRET not in shown.output

@@ -95,8 +95,8 @@ def seed_job(engine, clock):
     def seed(name: str = "w", *, rows: int = 1, per_row: int = 3, data: bytes | None = None):
         if data is None:
             data, _ = standard_job(name, rows, per_row)
-        parsed = policy.parse_archive(data, file_types=frozenset({"pdf", "png", "txt"}), max_file_bytes=10**7,
-                                      max_archive_bytes=10**9)
+        parsed = policy.parse_archive(data, file_types=frozenset({"pdf", "png", "txt"}),
+                                      limits=policy.ArchiveLimits(max_file_bytes=10**7, max_archive_bytes=10**9))
         job_id = policy.file_job_id("bucket", f"inbox/{name}.zip", "etag")
         with engine.begin() as conn:
             job = repo.upsert_file_job(conn, job_id, bucket="bucket", key=f"inbox/{name}.zip", etag="etag",

@@ -21,8 +21,9 @@ TYPES = frozenset({"pdf", "png", "jpg", "txt"})
 
 
 def parse(data: bytes, **kw):
-    return policy.parse_archive(data, file_types=TYPES, max_file_bytes=kw.get("max_file", 10_000),
-                                max_archive_bytes=kw.get("max_archive", 10_000_000))
+    limits = policy.ArchiveLimits(max_file_bytes=kw.get("max_file", 10_000),
+                                  max_archive_bytes=kw.get("max_archive", 10_000_000))
+    return policy.parse_archive(data, file_types=TYPES, limits=limits)
 
 
 # ----------------------------------------------------------------------------------------- manifest

@@ -1,0 +1,246 @@
+"""Drain runs at volume, through the production topology, against the same work done directly.
+
+    python -m bench scale                         # 10,000 entities per pipeline (make bench runs it)
+    BENCH_SCALE_ENTITIES=1000 python -m bench scale
+
+For each drained pipeline (criticizer, review notifications, evidence attach) it loads N entities,
+then lets the deployment work them: `dagster-daemon` (QueuedRunCoordinator, DefaultRunLauncher)
+ticking the sensors, a gRPC code server (`dagster api grpc`) launching the run workers, PostgreSQL run
+storage — the processes `make serve` runs (`devstack.topology`). The sandbox answers at once, with 20 %
+of calls failing transiently (503, 429 with Retry-After, resets), so retries fall due and are worked too.
+It waits until no entity of the pipeline is open, then reports:
+- entities per second end to end (from the first enqueue to the last settled row);
+- Dagster runs launched;
+- CPU-seconds per entity over every process (the topology's processes and every child they reaped:
+  run workers, the code server, the daemon; and PostgreSQL's server processes);
+- the same N entities worked **directly**: the pipeline's drain handler and its PostgreSQL writes,
+  called in this one process with no Dagster, in the same session on the same servers — and the ratio.
+Lost entities (open, never settled) and duplicate external effects (counted at the sandbox's effect log)
+are reported and fail the benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import sqlalchemy as sa
+
+from bench._support import scratch_database
+from devstack.sandbox import SandboxClient
+from redrive import work
+from redrive.db import engine_for, upgrade_head
+from redrive.drain import Drain, Handler
+from redrive.reliability import Reliability
+from redrive.schema import work_items
+from redrive.settings import Settings
+
+# 20 % of calls fail transiently: 503s, 429s with Retry-After (× the time scale) and connection resets
+TRANSIENT_RATES = {"503": 0.08, "429": 0.06, "reset": 0.06}
+
+
+@dataclass
+class Load:
+    """One pipeline's part of the benchmark: how to submit N entities and how to work them directly."""
+
+    pipeline: str
+    job: str
+    routes: tuple[str, ...]  # sandbox routes that get the transient faults
+    submit: Callable[[sa.Engine, SandboxClient, str, int], None]
+    handler: Callable[[Reliability, Any], tuple[dict[str, Any], Handler]]  # (policies, handle) from resources
+    effects: Callable[[SandboxClient], tuple[int, int]]  # (effects, distinct effects) at the sandbox
+
+
+def _criticizer_submit(engine: sa.Engine, sandbox: SandboxClient, session: str, n: int) -> None:
+    from assets.criticizer import api
+
+    sandbox.put_store(f"bench/scale/{session}.txt", b"def f():\n    return 1\n" * 50, "text/plain")
+    for i in range(n):
+        api.submit(engine, {"request_id": f"scale-{session}-{i}",
+                            "artifact_url": f"{sandbox.base_url}/store/bench/scale/{session}.txt",
+                            "rubric": "Is it fine?",
+                            "webhook_url": f"{sandbox.base_url}/slack/webhook/bench-scale/{session}-{i}"},
+                   allowed_artifact_prefixes=())
+
+
+def _criticizer_handler(runtime: Reliability, resources: Any) -> tuple[dict[str, Any], Handler]:
+    from assets.criticizer import pipeline
+
+    return dict(pipeline.POLICIES), pipeline.handler(runtime, resources["criticizer_http"], resources["llm"])
+
+
+def _webhook_effects(sandbox: SandboxClient) -> tuple[int, int]:
+    posts = [e for e in sandbox.effects("slack.message") if str(e.get("path", "")).startswith("bench-scale/")]
+    return len(posts), len({e["path"] for e in posts})
+
+
+LOADS: dict[str, Load] = {
+    "criticizer": Load("criticizer", "criticizer_job", ("store", "llm", "slack"), _criticizer_submit,
+                       _criticizer_handler, _webhook_effects),
+}
+
+
+@dataclass
+class Outcome:
+    entities: int
+    seconds: float
+    cpu_seconds: float
+    runs: int
+    open_left: int
+    effects: int
+    distinct_effects: int
+
+    @property
+    def per_second(self) -> float:
+        return self.entities / self.seconds if self.seconds else 0.0
+
+
+def _open(engine: sa.Engine, pipeline: str) -> int:
+    with engine.connect() as conn:
+        return conn.execute(sa.select(sa.func.count()).select_from(work_items).where(
+            work_items.c.pipeline == pipeline, work_items.c.status.in_(work.OPEN_STATUSES))).scalar_one()
+
+
+def _wait_drained(engine: sa.Engine, pipeline: str, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = _open(engine, pipeline)
+        if left == 0:
+            return 0
+        time.sleep(1.0)
+    return _open(engine, pipeline)
+
+
+def cpu_of(pids: list[int]) -> float:
+    """User + system CPU of these processes, their live descendants and every child they reaped."""
+    total, seen = 0.0, set()
+    for pid in pids:
+        try:
+            top = psutil.Process(pid)
+            procs = [top, *top.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in procs:
+            if proc.pid in seen:
+                continue
+            seen.add(proc.pid)
+            try:
+                t = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def _faults(sandbox: SandboxClient, routes: tuple[str, ...], seed: int) -> None:
+    for route in routes:
+        sandbox.random_faults(route, seed=seed, rates=TRANSIENT_RATES, retry_after="1")
+
+
+def run_direct(load: Load, settings: Settings, n: int, session: str, pg_pids: list[int]) -> Outcome:
+    """The same work with no Dagster: the drain handler and its writes, in this process."""
+    from orchestration.definitions import build_definitions
+
+    sandbox = SandboxClient(os.environ["SANDBOX_URL"])
+    sandbox.reset()
+    _faults(sandbox, load.routes, seed=7)
+    engine = engine_for(settings.database_url or "")
+    defs = build_definitions(settings)
+    runtime = defs.resources["reliability"].runtime()
+    policies, handle = load.handler(runtime, defs.resources)
+    load.submit(engine, sandbox, session, n)
+    me = psutil.Process()
+    cpu0, pg0, started = sum(me.cpu_times()[:2]), cpu_of(pg_pids), time.perf_counter()
+    drain = Drain(reliability=runtime, pipeline=load.pipeline, policies=policies, owner="bench-direct",
+                  concurrency=8, batch_size=50, linger_seconds=5.0, max_seconds=3600)
+    while _open(engine, load.pipeline):
+        drain.run(handle)
+    seconds = time.perf_counter() - started
+    cpu = sum(me.cpu_times()[:2]) - cpu0 + cpu_of(pg_pids) - pg0
+    effects, distinct = load.effects(sandbox)
+    return Outcome(n, seconds, cpu, 0, _open(engine, load.pipeline), effects, distinct)
+
+
+def run_deployed(load: Load, settings: Settings, n: int, session: str, topology_factory: Callable[..., Any],
+                 pg_pids: list[int], timeout: float) -> Outcome:
+    """The work as production does it: the daemon ticks the sensor, runs are queued, launched, drained."""
+    sandbox = SandboxClient(os.environ["SANDBOX_URL"])
+    sandbox.reset()
+    _faults(sandbox, load.routes, seed=11)
+    engine = engine_for(settings.database_url or "")
+    with topology_factory(settings) as topology:
+        cpu0, pg0 = cpu_of(topology.pids()), cpu_of(pg_pids)
+        started = time.perf_counter()
+        load.submit(engine, sandbox, session, n)
+        left = _wait_drained(engine, load.pipeline, timeout)
+        seconds = time.perf_counter() - started
+        cpu = cpu_of(topology.pids()) - cpu0 + cpu_of(pg_pids) - pg0
+        runs = topology.instance().get_runs_count()
+    effects, distinct = load.effects(sandbox)
+    return Outcome(n, seconds, cpu, runs, left, effects, distinct)
+
+
+@contextmanager
+def _database(name: str) -> Iterator[str]:
+    with scratch_database(name) as url:
+        upgrade_head(url)
+        yield url
+
+
+def main(n: int | None = None) -> int:
+    from devstack.topology import Topology  # the processes `make serve` runs
+
+    n = n or int(os.environ.get("BENCH_SCALE_ENTITIES", "10000"))
+    names = [p for p in os.environ.get("BENCH_SCALE_PIPELINES", ",".join(LOADS)).split(",") if p]
+    timeout = float(os.environ.get("BENCH_SCALE_TIMEOUT_SECONDS", "3600"))
+    status = 0
+    rows = []
+    for name in names:
+        load = LOADS[name]
+        session = uuid.uuid4().hex[:6]
+        with _database(f"bench_scale_{name}_{session}") as url:
+            settings = Settings(database_url=url, redrive_time_scale=0.01)
+            pg_pids = _postgres_pids(url)
+            deployed = run_deployed(load, settings, n, f"{session}d", Topology.for_bench, pg_pids, timeout)
+            direct = run_direct(load, settings, n, f"{session}b", pg_pids)
+        ratio = deployed.per_second / direct.per_second if direct.per_second else 0.0
+        lost = deployed.open_left + direct.open_left
+        dupes = (deployed.effects - deployed.distinct_effects) + (direct.effects - direct.distinct_effects)
+        rows.append((name, deployed, direct, ratio))
+        if lost or dupes:
+            status = 1
+        print(json.dumps({"pipeline": name, "entities": n,
+                          "deployed": {"per_second": round(deployed.per_second, 1), "runs": deployed.runs,
+                                       "cpu_per_entity_ms": round(1000 * deployed.cpu_seconds / n, 2),
+                                       "seconds": round(deployed.seconds, 1)},
+                          "direct": {"per_second": round(direct.per_second, 1),
+                                     "cpu_per_entity_ms": round(1000 * direct.cpu_seconds / n, 2),
+                                     "seconds": round(direct.seconds, 1)},
+                          "ratio": round(ratio, 2), "lost": lost, "duplicate_effects": dupes}), flush=True)
+    print(f"scale: {n} entities per pipeline, 20 % transient faults, time scale 0.01")
+    print(f"  {'pipeline':<22}{'deployed/s':>11}{'runs':>7}{'CPU ms/entity':>15}{'direct/s':>10}"
+          f"{'CPU ms/entity':>15}{'ratio':>7}")
+    for name, d, b, ratio in rows:
+        print(f"  {name:<22}{d.per_second:>11.1f}{d.runs:>7}{1000 * d.cpu_seconds / d.entities:>15.2f}"
+              f"{b.per_second:>10.1f}{1000 * b.cpu_seconds / b.entities:>15.2f}{ratio:>7.2f}")
+    return status
+
+
+def _postgres_pids(url: str) -> list[int]:
+    """The PostgreSQL server process behind `url` (its backends are its children)."""
+    engine = engine_for(url)
+    with engine.connect() as conn:
+        backend = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+    try:
+        parent = psutil.Process(backend).parent()
+    except psutil.NoSuchProcess:
+        return []
+    return [parent.pid] if parent is not None else []
+
