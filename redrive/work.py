@@ -150,6 +150,24 @@ def bury(conn: sa.Connection, item: WorkItem, *, stage: str, attempts: Mapping[s
         lease_owner=None, updated_at=now)).rowcount == 1
 
 
+def record_dead(conn: sa.Connection, pipeline: str, entity_ref: str, *, stage: str, attempts: Mapping[str, int],
+                error: str, now: datetime, group_key: str | None = None) -> bool:
+    """A part of another entity's work died for good (one recipient of a review job, with a dead letter
+    of its own): give it a dead row, so `replay` of that letter makes it due like any drained entity.
+
+    Written in the dead letter's transaction. An open row (being worked or due) is left alone.
+    """
+    stmt = insert(work_items).values(pipeline=pipeline, entity_ref=entity_ref, group_key=group_key, status=DEAD,
+                                     due_at=now, stage=stage, attempts=dict(attempts), last_error=error[:500])
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["pipeline", "entity_ref"],
+        set_={"status": DEAD, "stage": stage, "attempts": stmt.excluded.attempts, "payload": sa.text("'{}'::jsonb"),
+              "last_error": stmt.excluded.last_error, "lease_owner": None, "updated_at": now},
+        where=work_items.c.status.in_((DONE, DEAD)),
+    )
+    return conn.execute(stmt.returning(work_items.c.id)).first() is not None
+
+
 def release(conn: sa.Connection, items: Sequence[WorkItem], *, now: datetime) -> int:
     """Give unstarted rows back at once (a run stopping early), due now, attempts untouched."""
     if not items:
@@ -173,6 +191,28 @@ def replay(conn: sa.Connection, pipeline: str, entity_ref: str, *, dead_letter_i
 def _without_replay_start(payload: Mapping[str, Any]) -> dict[str, Any]:
     """A full restart clears checkpoints once, on its first attempt; later retries keep new ones."""
     return {k: v for k, v in payload.items() if not (k == "replay_from" and v == "start")}
+
+
+@dataclass(frozen=True)
+class State:
+    """An entity's scheduling state as an operator reads it (`redrive <pipeline> show`)."""
+
+    status: str
+    due_at: datetime
+    stage: str | None
+    attempts: Mapping[str, int]
+    last_error: str | None
+    lease_owner: str | None
+    updated_at: datetime
+
+
+def state(conn: sa.Connection, pipeline: str, entity_ref: str) -> State | None:
+    row = conn.execute(sa.select(work_items).where(work_items.c.pipeline == pipeline,
+                                                   work_items.c.entity_ref == entity_ref)).first()
+    if row is None:
+        return None
+    return State(row.status, row.due_at, row.stage, dict(row.attempts or {}), row.last_error, row.lease_owner,
+                 row.updated_at)
 
 
 def has_item(conn: sa.Connection, pipeline: str, entity_ref: str) -> bool:

@@ -1,16 +1,15 @@
 """The Python API of review notifications: create a job (§6.1, §6.2, §10.1, §10.4), finalize, waive, show.
 
     from assets.review_notifications import api
-    submission = api.create_job(engine, {"idempotency_key": "req-81", "changelist_id": "CL-4711",
-                                         "review_version": 3, "recipients": ["ana@example.com"]},
-                                instance=dagster_instance)
+    submission = api.submit(engine, {"idempotency_key": "req-81", "changelist_id": "CL-4711",
+                                     "review_version": 3, "recipients": ["ana@example.com"]})
     submission.job.key, submission.mode   # "CL-4711:v3", Mode.CREATED
 
-Creating is one transaction: the job row and its per-recipient outbox rows. The idempotency gate
-is the database's: `INSERT … ON CONFLICT DO NOTHING RETURNING`, then a re-select, so a duplicate
-request — also fifty at the same instant from several processes — returns the original job. Each
-job is a dynamic partition (`review_notification_jobs`) of `review_notifications_job`; the pending
-jobs sensor registers partitions too, so a job created without a Dagster instance still runs.
+Creating is one transaction: the job row, its per-recipient outbox rows and its work row in the
+core's queue (due now), so a job exists exactly when it will be worked, whoever created it. The
+idempotency gate is the database's: `INSERT … ON CONFLICT DO NOTHING RETURNING`, then a
+re-select, so a duplicate request — also fifty at the same instant from several processes —
+returns the original job and enqueues nothing. The due-work sensor starts a drain run.
 """
 
 from __future__ import annotations
@@ -25,12 +24,9 @@ import sqlalchemy as sa
 from assets.review_notifications import policy, repository
 from assets.review_notifications.policy import Mode, ReviewRequest
 from assets.review_notifications.repository import Delivery, Job
-from redrive import deadletters
+from redrive import deadletters, work
 from redrive.clock import Clock, SystemClock
 from redrive.failures import Code, Failure, raise_failure
-
-PARTITIONS_NAME = "review_notification_jobs"
-
 
 @dataclass(frozen=True)
 class Submission:
@@ -48,7 +44,7 @@ class Submission:
 
 def submit(engine: sa.Engine, request: ReviewRequest | Mapping[str, Any], *,
            clock: Clock | None = None) -> Submission:
-    """Create the job and its outbox rows, or return the job the request already has.
+    """Create the job, its outbox rows and its work row, or return the job the request already has.
 
     Raises `policy.InvalidRequest` (bad input) or `policy.VersionRegression` (§6.2: a version below the
     changelist's latest); in both cases nothing is written.
@@ -67,6 +63,8 @@ def submit(engine: sa.Engine, request: ReviewRequest | Mapping[str, Any], *,
         repository.insert_deliveries(conn, job, req.recipients)
         if mode is Mode.VERSIONED_RERUN:
             _supersede(conn, req.changelist_id, req.review_version, now)
+        # A versioned rerun is a new job key, so a new row; `reopen` makes a re-created key workable again.
+        work.enqueue(conn, policy.PIPELINE, job.key, now=now, reopen=True)
     return Submission(job, mode, created=True)
 
 
@@ -91,23 +89,6 @@ def _supersede(conn: sa.Connection, changelist_id: str, version: int, now: datet
         if letter is not None:
             deadletters.resolve(conn, letter.id, note=f"superseded by review_version {version}", at=now,
                                 operator=policy.PIPELINE)
-
-
-def register_partition(instance: Any, key: str) -> bool:
-    """Add the job's dynamic partition to the Dagster instance; False if it was there."""
-    if instance.has_dynamic_partition(PARTITIONS_NAME, key):
-        return False
-    instance.add_dynamic_partitions(PARTITIONS_NAME, [key])
-    return True
-
-
-def create_job(engine: sa.Engine, request: ReviewRequest | Mapping[str, Any], *, instance: Any = None,
-               clock: Clock | None = None) -> Submission:
-    """`submit`, then make the job a partition of the Dagster job (when an instance is at hand)."""
-    submission = submit(engine, request, clock=clock)
-    if instance is not None:
-        register_partition(instance, submission.job.key)
-    return submission
 
 
 def finalize(conn: sa.Connection, job_id: int, at: datetime, *, gave_up: bool = False) -> Job:
@@ -145,3 +126,25 @@ def show(engine: sa.Engine, key: str) -> tuple[Job, list[Delivery]]:
     with engine.connect() as conn:
         job = repository.job_by_id(conn, int(key)) if key.isdigit() else repository.job_by_key(conn, key)
         return job, repository.deliveries_of(conn, job.id)
+
+
+def work_state(engine: sa.Engine, key: str) -> work.State | None:
+    """The job's row in the work queue: done, or due when, after how many attempts, with which error."""
+    with engine.connect() as conn:
+        return work.state(conn, policy.PIPELINE, key)
+
+
+def status(engine: sa.Engine, *, now: datetime | None = None) -> dict[str, Any]:
+    """What an operator asks first: jobs per status, the work queue, open dead letters (jobs, recipients)."""
+    now = now or SystemClock().now()
+    with engine.connect() as conn:
+        jobs = repository.job_status_counts(conn)
+        backlog = work.backlog(conn, policy.PIPELINE, now)
+        rows = work.counts(conn, policy.PIPELINE)
+        letters = deadletters.list_(conn, deadletters.Filter(pipeline=policy.PIPELINE, limit=10_000))
+    recipients = sum(1 for letter in letters if policy.delivery_id_of(letter.entity_ref) is not None)
+    return {
+        "jobs": jobs,
+        "work": {"due": backlog.due, "leased": backlog.leased, "next_due_at": backlog.next_due_at, "rows": rows},
+        "dead_letters": {"jobs": len(letters) - recipients, "recipients": recipients},
+    }

@@ -1,14 +1,14 @@
-"""`python -m assets.review_notifications.cli`: create, show and repair review notification jobs.
+"""`redrive review …`: create, inspect and repair review notification jobs.
 
     create --idempotency-key K --changelist CL-4711 --review-version 3 --recipient a@x --recipient b@x
            [--summary TEXT] [--json]
-    show JOB_KEY_OR_ID [--json]
+    show JOB_KEY_OR_ID [--json]      the job, its work row (due when, attempts, last error), its outbox
+    status [--json]                  jobs per status, the work queue, open dead letters
     waive DELIVERY_ID --note "INC-7: reviewer left the team"
 
 `create` is idempotent per key (a repeat prints the original job, mode `duplicate`); a version
-below the changelist's latest is refused. With DAGSTER_HOME set the job's partition is added to
-that instance at once; otherwise the `review_notifications_pending_jobs` sensor adds it. Errors
-are one line on stderr with exit code 2, never a stack trace.
+below the changelist's latest is refused. A created job is due at once: the due-work sensor starts
+a drain run. Errors are one line on stderr with exit code 2, never a stack trace.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Annotated, Any, NoReturn
 
 import sqlalchemy as sa
@@ -27,7 +28,7 @@ from redrive.db import engine_for
 from resources.database import database_session
 from redrive.settings import Settings
 
-app = typer.Typer(help="review notification jobs: create, show, waive", no_args_is_help=True,
+app = typer.Typer(help="review notification jobs: create, show, status, waive", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
@@ -43,14 +44,6 @@ def engine() -> Iterator[sa.Engine]:
 def fail(message: str) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
-
-
-def dagster_instance() -> Any:
-    if not os.environ.get("DAGSTER_HOME"):
-        return None
-    import dagster as dg
-
-    return dg.DagsterInstance.get()
 
 
 @app.command()
@@ -70,12 +63,6 @@ def create(
             submission = api.submit(eng, request)
     except KNOWN_ERRORS as exc:
         fail(str(exc))
-    try:
-        instance = dagster_instance()
-        if instance is not None:
-            api.register_partition(instance, submission.job.key)
-    except Exception as exc:  # noqa: BLE001 - the job is saved; the pending-jobs sensor adds the partition
-        typer.echo(f"warning: partition not added now ({type(exc).__name__}); the sensor will add it", err=True)
     if as_json:
         typer.echo(json.dumps(submission.as_json()))
         return
@@ -86,22 +73,52 @@ def create(
 
 @app.command()
 def show(job: Annotated[str, typer.Argument(help="job key (CL-4711:v3) or id")], as_json: JsonOpt = False) -> None:
-    """A job and its outbox rows."""
+    """A job, its work row and its outbox rows."""
     try:
         with engine() as eng:
             found, deliveries = api.show(eng, job)
+            scheduled = api.work_state(eng, found.key)
     except KNOWN_ERRORS as exc:
         fail(str(exc))
+    queue = None if scheduled is None else {
+        "status": scheduled.status, "due_at": _iso(scheduled.due_at), "stage": scheduled.stage,
+        "attempts": dict(scheduled.attempts), "last_error": scheduled.last_error, "lease_owner": scheduled.lease_owner}
     rows = [{"id": d.id, "recipient": d.recipient, "status": d.status, "notification_id": d.notification_id,
              "notified_at": d.notified_at.isoformat() if d.notified_at else None, "attempts": d.attempts,
              "reconciliations": d.reconciliations, "last_error": d.last_error} for d in deliveries]
     if as_json:
-        typer.echo(json.dumps({**found.as_json(), "deliveries": rows}))
+        typer.echo(json.dumps({**found.as_json(), "work": queue, "deliveries": rows}))
         return
     typer.echo(f"{found.key} (job {found.id}): {found.status}  key={found.idempotency_key}  result={found.result}")
+    if queue is not None:
+        when = "" if queue["status"] == "done" else f" due {queue['due_at']}"
+        held = f" (held by {queue['lease_owner']})" if queue["lease_owner"] else ""
+        typer.echo(f"  work: {queue['status']}{when}{held} attempts={queue['attempts']} "
+                   f"{queue['last_error'] or ''}".rstrip())
     for r in rows:
         typer.echo(f"  {r['id']:>6}  {r['status']:<10} attempts={r['attempts']} "
                    f"reconciled={r['reconciliations']}  {r['recipient']}  {r['last_error'] or ''}".rstrip())
+
+
+@app.command()
+def status(as_json: JsonOpt = False) -> None:
+    """Jobs per status, the work queue (due now, being worked, next due) and open dead letters."""
+    with engine() as eng:
+        summary = api.status(eng)
+    if as_json:
+        typer.echo(json.dumps(summary, default=_iso))
+        return
+    jobs = ", ".join(f"{n} {s}" for s, n in summary["jobs"].items()) or "none"
+    queue = summary["work"]
+    typer.echo(f"jobs: {jobs}")
+    typer.echo(f"work queue: {queue['due']} due now, {queue['leased']} being worked, next due "
+               f"{_iso(queue['next_due_at']) or '-'}; rows {queue['rows']}")
+    typer.echo(f"open dead letters: {summary['dead_letters']['jobs']} jobs, {summary['dead_letters']['recipients']} "
+               "recipients (`redrive dlq list --pipeline review_notifications`)")
+
+
+def _iso(value: Any) -> Any:
+    return value.isoformat() if isinstance(value, datetime) else value
 
 
 @app.command()

@@ -12,11 +12,13 @@ For one job, under a per-job lock:
    statement. Each row's attempt runs under the core's in-process retry loop; every retry starts
    again at the re-read, so a lost response or a failed mark write ends in a lookup, not a resend.
 3. Failures are classified by the core and named by `policy.NOTIFICATION`: an invalid recipient
-   or policy rejection fails that row (dead letter + alert through the core); a transient failure
-   that outlasts the in-process budget stops the pass and is raised for the job-level retry; any
-   other permanent failure is raised for the job.
+   or policy rejection fails that row (its own dead letter + alert through the core, in one
+   transaction); a transient failure that outlasts the in-process attempts (`row_attempts`; the
+   drain uses 1) stops the pass and is raised, so the job's work row falls due later under the
+   send stage's policy; any other permanent failure is raised for the job.
 
-No Dagster here: the op, the tests, the crash worker and the benchmark all call `Deliverer`.
+No Dagster here: the drain handler (`pipeline.ReviewJobHandler`), the tests, the crash workers
+and the benchmark all call `Deliverer`.
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ import sqlalchemy as sa
 
 from assets.review_notifications import policy, repository
 from assets.review_notifications.repository import Delivery, Job
+from redrive import work
 from redrive.alerts import Alert
 from redrive.clock import Sleep
 from redrive.deadletters import FinalFailure
 from redrive.failures import Failure, RedriveError, classify_exception, raise_failure
 from redrive.reliability import Reliability
 from redrive.retrying import call_with_retries
-from redrive.sanitize import digest, sanitize_exception
+from redrive.sanitize import digest, sanitize_exception, sanitize_text
 from resources.review_notifications import MailProvider, OutgoingMail, ProviderMessage
 
 log = logging.getLogger(__name__)
@@ -62,7 +65,7 @@ class DeliveryReport:
     backfilled: int = 0  # §8.2 row 1: the provider had it; recorded without resending
     skipped: int = 0
     failed: int = 0  # permanent, per recipient: dead-lettered
-    waiting: int = 0  # transient: left for the job-level retry
+    waiting: int = 0  # transient: left for the job's next attempt (its work row falls due later)
     verified: int = 0
     reconciled: int = 0  # §8.2 row 2: marked sent without evidence, cleared and requeued
     retries: int = 0  # in-process retries across rows
@@ -92,6 +95,9 @@ class Deliverer:
     row_attempts: int = policy.ROW_MAX_ATTEMPTS
     run_id: str | None = None
     on_retry: Callable[[str], None] | None = None
+    # The delivery row whose dead letter is being replayed (the drain's entity): its permanent failure
+    # is raised, so the core's settlement records the failed replay, instead of `_fail_row`.
+    replayed_row: int | None = None
 
     # ------------------------------------------------------------------------------------ the pass
 
@@ -165,7 +171,7 @@ class Deliverer:
             where = policy.scope(failure)
             with self.engine.begin() as conn:
                 repository.record_error(conn, row.id, f"{failure.code}: {failure.message}")
-            if where == policy.RECIPIENT:
+            if where == policy.RECIPIENT and row.id != self.replayed_row:
                 report.dead_letters.append(self._fail_row(job, row.id, err))
                 report.failed += 1
                 return True
@@ -223,36 +229,43 @@ class Deliverer:
         )
 
     def _fail_row(self, job: Job, delivery_id: int, err: RedriveError) -> int:
-        """§8.1: this recipient's row fails for an operator. Dead letter + alert first, then the row.
+        """§8.1: this recipient's row fails for an operator: its dead letter, alert and `failed` state at once.
 
-        In that order so a crash in between leaves a retryable row whose next failure finds the
-        active dead letter (one letter, one alert), never a failed row without a letter.
+        One recipient of a job that has several, so not the drain's entity: the core records the
+        letter (`fail_for_good`) and gives the row a dead work item of its own (`work.record_dead`),
+        so `redrive dlq replay` makes that recipient due like any drained entity. One transaction:
+        a crash leaves a retryable row without a letter, or both, never one of them.
         """
         with self.engine.connect() as conn:
             row = repository.get_delivery(conn, delivery_id)
         ref = policy.delivery_ref(job.key, row.id)
-        recorded = self.runtime.fail_for_good(FinalFailure(
-            pipeline=policy.PIPELINE,
-            stage="send",
-            entity_ref=ref,
-            failure=err.failure,
-            attempts=max(1, row.attempts),
-            at=self.runtime.now(),
-            stack=sanitize_exception(err),
-            context={"job": job.key, "changelist_id": job.changelist_id, "review_version": job.review_version,
-                     "delivery_id": row.id, "recipient_sha256": digest(row.recipient),
-                     "dagster_run_id": self.run_id},
-            payload_ref={"table": "review_deliveries", "id": row.id, "job": job.key},
-            stage_attempts={"send": max(1, row.attempts)},
-            run_id=self.run_id,
-        ))
+        now, attempts = self.runtime.now(), max(1, row.attempts)
+        error = f"{err.failure.code}: {err.failure.message}"
         with self.engine.begin() as conn:
-            repository.fail_delivery(conn, row.id, f"{err.failure.code}: {err.failure.message}")
+            repository.fail_delivery(conn, row.id, error)
+            work.record_dead(conn, policy.PIPELINE, ref, stage="send", attempts={"send": attempts},
+                             error=sanitize_text(error), now=now)
+            recorded = self.runtime.fail_for_good(FinalFailure(
+                pipeline=policy.PIPELINE,
+                stage="send",
+                entity_ref=ref,
+                failure=err.failure,
+                attempts=attempts,
+                at=now,
+                stack=sanitize_exception(err),
+                context={"job": job.key, "changelist_id": job.changelist_id, "review_version": job.review_version,
+                         "delivery_id": row.id, "recipient_sha256": digest(row.recipient),
+                         "dagster_run_id": self.run_id},
+                payload_ref={"table": "review_deliveries", "id": row.id, "job": job.key},
+                stage_attempts={"send": attempts},
+                run_id=self.run_id,
+            ), conn=conn)
+        self.runtime.try_dispatch()
         log.info("%s: %s; dead letter %s", ref, err.failure.code, recorded.dead_letter.id)
         return recorded.dead_letter.id
 
 
 def raise_for_job(report: DeliveryReport) -> None:
-    """A pass that left rows waiting on a transient failure is a retryable failure of the job."""
+    """A pass that left rows waiting on a transient failure is a retryable failure of the job's send stage."""
     if report.transient is not None:
         raise_failure(report.transient)

@@ -43,8 +43,8 @@ NOT_REQUIRED = (D_WAIVED, D_SUPERSEDED)
 
 # ----------------------------------------------------------------------------------------- requests
 
-# Changelist ids become Dagster partition keys and entity refs ("CL-4711:v3:d17"): no ':' (our
-# separator), no '...' or control characters (Dagster refuses those in partition keys).
+# Changelist ids become entity refs ("CL-4711:v3:d17") in work rows, dead letters, run logs and
+# commands: no ':' (our separator), no '..' or control characters.
 _CHANGELIST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 _EMAIL = re.compile(r"[^@\s,;<>]+@[^@\s,;<>]+")
 
@@ -145,7 +145,7 @@ def normalize_recipient(address: str) -> str:
 
 
 def job_key(changelist_id: str, review_version: int) -> str:
-    """The job's Dagster partition key and entity ref: natural ids only, never the clock (STYLE §6)."""
+    """The job's entity ref (its work row, its dead letter): natural ids only, never the clock (STYLE §6)."""
     return f"{changelist_id}:v{review_version}"
 
 
@@ -327,8 +327,9 @@ def scope(failure: Failure) -> str:
     return NOTIFICATION.entry(failure).category
 
 
-# In-process retries per row: short waits only (a Retry-After is honoured up to 10 s here); past that
-# the job-level stage takes over with 002 §8.2's full jitter and Retry-After ceiling, durably if long.
+# In-process retries per row, for a caller that wants them (`Deliverer(row_attempts=…)`): short waits
+# only (a Retry-After is honoured up to 10 s here). The drain runs 1 attempt per row and pass: past it
+# the job's work row falls due later under the send stage's policy (002 §8.2's full jitter, Retry-After).
 ROW_BACKOFF = FullJitter(initial=0.5, multiplier=2.0, max_delay=4.0, retry_after_ceiling=10.0)
 ROW_MAX_ATTEMPTS = 3
 JOB_BACKOFF = CRITICIZER_BACKOFF

@@ -42,7 +42,6 @@ review_jobs = sa.Table(
     sa.UniqueConstraint("changelist_id", "review_version"),
     sa.CheckConstraint("review_version >= 1", name="review_version"),
     sa.CheckConstraint(f"status IN {policy.JOB_STATUSES!r}", name="status"),
-    sa.Index("ix_review_jobs_pending", "id", postgresql_where=sa.text("status = 'pending'")),
 )
 
 review_deliveries = sa.Table(
@@ -256,10 +255,10 @@ def finish_job(conn: sa.Connection, job_id: int, outcome: policy.Outcome, at: da
     return job_by_id(conn, job_id)
 
 
-def pending_jobs(conn: sa.Connection, limit: int = 100) -> list[Job]:
-    rows = conn.execute(sa.select(review_jobs).where(review_jobs.c.status == policy.PENDING)
-                        .order_by(review_jobs.c.id).limit(limit))
-    return [Job.from_row(r) for r in rows]
+def job_status_counts(conn: sa.Connection) -> dict[str, int]:
+    """Jobs per status, in the order of `policy.JOB_STATUSES`."""
+    found = dict(conn.execute(sa.select(review_jobs.c.status, sa.func.count()).group_by(review_jobs.c.status)).all())
+    return {status: found[status] for status in policy.JOB_STATUSES if status in found}
 
 
 @contextmanager

@@ -16,10 +16,10 @@ class ReviewNotificationSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="REVIEW_NOTIFICATIONS_", extra="ignore", case_sensitive=False)
 
     mail_api_token: str = Field(default="sandbox-token", description="Bearer token of the mail provider.")
-    row_attempts: int = Field(default=policy.ROW_MAX_ATTEMPTS, ge=1, le=10,
-                              description="In-process attempts per recipient before the job-level retry.")
+    row_attempts: int = Field(default=1, ge=1, le=10,
+                              description="Attempts per recipient within one pass of a drain run; past them the "
+                                          "job's work row falls due later (1: no drain thread sleeps on a retry).")
     job_attempts: int = Field(default=policy.JOB_MAX_ATTEMPTS, ge=1, le=20,
                               description="Attempts of a job's send stage before it is dead-lettered.")
-    sensor_interval_seconds: int = Field(default=30, ge=5,
-                                         description="How often the pending-jobs sensor looks for new jobs.")
-    sensor_batch: int = Field(default=100, ge=1, le=1000, description="Jobs requested per sensor tick.")
+    sensor_interval_seconds: int = Field(default=15, ge=5,
+                                         description="How often the due-work sensor looks for due jobs.")

@@ -1,6 +1,7 @@
-"""Review notifications demo: lost responses and outages retried, an invalid recipient dead-lettered and
-waived, a row "marked sent" that the provider never saw reconciled with one Slack alert, and versions
-v3 → v3 (no-op), v3 → v4 (everyone again), v4 → v3 (refused). One email per recipient per version.
+"""Review notifications demo, as drain runs: lost responses and outages retried (the job's row falling due
+again within one run), an invalid recipient dead-lettered and waived, a row "marked sent" that the
+provider never saw reconciled with one Slack alert, and versions v3 → v3 (no-op), v3 → v4 (everyone
+again), v4 → v3 (refused). One email per recipient per version.
 """
 
 from __future__ import annotations
@@ -14,14 +15,19 @@ from assets.review_notifications import api, policy, repository
 from redrive import deadletters
 from redrive.schema import alerts
 
-SENSOR = f"{policy.PIPELINE}_pending_jobs"
+SENSOR = f"{policy.PIPELINE}_due_work"
 REVIEWERS = ["ana@example.com", "bo@example.com", "cy@example.com"]
 UNDELIVERABLE = "dd@invalid.example"  # the sandbox's provider answers 422 INVALID_RECIPIENT for this domain
 
 
-def _tick(ctx: Any, sensor_name: str) -> dict[str | None, dg.ExecuteInProcessResult]:
-    """One daemon tick (the core's `ctx.tick`), its runs by partition key."""
-    return {run.dagster_run.tags.get("dagster/partition"): run for run in ctx.tick(sensor_name)}
+def _drain(ctx: Any) -> dg.ExecuteInProcessResult:
+    """One daemon tick of the due-work sensor, which must start one drain run; its result."""
+    [run] = ctx.tick(SENSOR)
+    return run
+
+
+def _counts(run: dg.ExecuteInProcessResult) -> dict[str, int]:
+    return run.output_for_node("send_notifications")
 
 
 def _mine(ctx: Any, changelist: str, version: int, recipients: list[str]) -> list[int]:
@@ -37,30 +43,30 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     engine: sa.Engine = ctx.engine
     cl, cl_b = f"CL-{ctx.session}", f"CL-{ctx.session}-b"
 
-    _tick(ctx, SENSOR)  # jobs a crashed earlier demo left pending run now, not into the faults scripted below
+    ctx.tick(SENSOR)  # jobs a crashed earlier demo left due run now, not into the faults scripted below
 
     # 1. v3 of a changelist: the provider is flaky (503, 429, then accepts but loses its answer),
     #    and one address is undeliverable.
-    v3 = api.create_job(engine, {"idempotency_key": f"{ctx.session}-1", "changelist_id": cl, "review_version": 3,
-                                 "recipients": [*REVIEWERS, UNDELIVERABLE], "summary": "LGTM, two nits."},
-                        instance=ctx.instance)
+    v3 = api.submit(engine, {"idempotency_key": f"{ctx.session}-1", "changelist_id": cl, "review_version": 3,
+                             "recipients": [*REVIEWERS, UNDELIVERABLE], "summary": "LGTM, two nits."})
     mark = max((r["seq"] for r in ctx.sandbox.requests("mail.send")), default=0)
     ctx.sandbox.script("mail.send", {"status": 503}, {"status": 429, "headers": {"Retry-After": "1"}},
                        {"kind": "effect_then_error", "status": 500})
-    run = _tick(ctx, SENSOR)[v3.job.key]
+    run = _drain(ctx)
     assert run.success, "v3 run failed"
     transient = [r for r in ctx.sandbox.requests("mail.send")
                  if r["seq"] > mark and r["status"] is not None and (r["status"] == 429 or r["status"] >= 500)]
     assert len(transient) == 3 and _mine(ctx, cl, 3, REVIEWERS) == [1, 1, 1]
-    report.retried += len(transient)  # each one was retried: two in process, the last by the stage
+    report.retried += len(transient)  # each one made the job's row due again; the lingering run took it up
     with engine.connect() as conn:
         invalid = next(d for d in repository.deliveries_of(conn, v3.job.id) if d.recipient == UNDELIVERABLE)
         letter = deadletters.active_for(conn, policy.PIPELINE, policy.delivery_ref(v3.job.key, invalid.id))
         assert repository.job_by_key(conn, v3.job.key).status == policy.RETRYABLE_FAILED
     assert letter is not None and letter.error_class == "INVALID_RECIPIENT", "invalid recipient not dead-lettered"
     report.dead_lettered += 1
-    report.notes.append(f"{v3.job.key}: 503 + 429 retried in process, the lost 500 response found by token lookup "
-                        f"(backfilled, not resent); {ctx.retries_in(run)} stage retry")
+    report.notes.append(f"{v3.job.key}: 503, 429 and a lost 500 each made the job's row due again "
+                        f"({_counts(run)['retried']} retries in 1 drain run, no RetryRequested, no timer); the lost "
+                        "response found by token lookup (backfilled, not resent)")
     report.notes.append(f"{letter.entity_ref}: INVALID_RECIPIENT → dead letter {letter.id} + alert; "
                         "job waits (retryable_failed)")
 
@@ -73,18 +79,17 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
                         "succeeded")
 
     # 3. v3 → v3 is a no-op with the prior result; v3 → v4 mails every reviewer again; v4 → v3 is refused.
-    noop = api.create_job(engine, {"idempotency_key": f"{ctx.session}-2", "changelist_id": cl, "review_version": 3,
-                                   "recipients": REVIEWERS}, instance=ctx.instance)
+    noop = api.submit(engine, {"idempotency_key": f"{ctx.session}-2", "changelist_id": cl, "review_version": 3,
+                               "recipients": REVIEWERS})
     assert noop.mode is policy.Mode.NOOP and noop.job.result is not None
-    v4 = api.create_job(engine, {"idempotency_key": f"{ctx.session}-3", "changelist_id": cl, "review_version": 4,
-                                 "recipients": REVIEWERS, "summary": "Re-reviewed after the fix."},
-                        instance=ctx.instance)
+    v4 = api.submit(engine, {"idempotency_key": f"{ctx.session}-3", "changelist_id": cl, "review_version": 4,
+                             "recipients": REVIEWERS, "summary": "Re-reviewed after the fix."})
     assert v4.mode is policy.Mode.VERSIONED_RERUN
-    run = _tick(ctx, SENSOR)[v4.job.key]
+    run = _drain(ctx)
     assert run.success
     try:
-        api.create_job(engine, {"idempotency_key": f"{ctx.session}-4", "changelist_id": cl, "review_version": 3,
-                                "recipients": REVIEWERS}, instance=ctx.instance)
+        api.submit(engine, {"idempotency_key": f"{ctx.session}-4", "changelist_id": cl, "review_version": 3,
+                            "recipients": REVIEWERS})
         raise AssertionError("v4 → v3 was not refused")
     except policy.VersionRegression as refused:
         refusal = str(refused).split(":")[0]
@@ -94,15 +99,15 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
                         f"keys, v4 → v3 refused ({refusal}); one email per recipient per version")
 
     # 4. A row "marked sent" that the provider never saw (a send-after-mark bug): reconciled before any send.
-    b = api.create_job(engine, {"idempotency_key": f"{ctx.session}-5", "changelist_id": cl_b, "review_version": 1,
-                                "recipients": REVIEWERS[:2]}, instance=ctx.instance)
+    b = api.submit(engine, {"idempotency_key": f"{ctx.session}-5", "changelist_id": cl_b, "review_version": 1,
+                            "recipients": REVIEWERS[:2]})
     table = repository.review_deliveries
     with engine.begin() as conn:
         victim = repository.deliveries_of(conn, b.job.id)[1]
         conn.execute(sa.update(table).where(table.c.id == victim.id)
                      .values(status="sent", notified_at=sa.func.now(), notification_id="msg_never_sent"))
-    run = _tick(ctx, SENSOR)[b.job.key]
-    assert run.success and run.output_for_node("send_notifications")["reconciled"] == 1
+    run = _drain(ctx)
+    assert run.success and _counts(run)["reconciled"] == 1
     with engine.connect() as conn:
         alerted = conn.execute(sa.select(sa.func.count()).select_from(alerts)
                                .where(alerts.c.kind == "ordering_violation",

@@ -1,4 +1,4 @@
-"""What review notifications add to the code location."""
+"""What review notifications add to the code location: the drain job, its due-work sensor, the mail provider."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from orchestration.registry import PipelineDefs
 from redrive.settings import Settings
 from resources.factory import secret
 from resources.review_notifications import MailProviderResource
-from sensors.core import ReplayTarget
-from sensors.review_notifications import pending_jobs_sensor
+from sensors.core import due_work_sensor
 
 
 def pipeline_defs(settings: Settings) -> PipelineDefs:
@@ -18,8 +17,7 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
     return PipelineDefs(
         name=policy.PIPELINE,
         jobs=[job],
-        sensors=[pending_jobs_sensor(job, batch=knobs.sensor_batch,
-                                     minimum_interval_seconds=knobs.sensor_interval_seconds)],
+        sensors=[due_work_sensor(policy.PIPELINE, job, minimum_interval_seconds=knobs.sensor_interval_seconds)],
         resources={
             "review_mail": MailProviderResource(
                 base_url=settings.mail_url or "http://127.0.0.1:9/mail/v1",
@@ -27,9 +25,8 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
                 timeout_seconds=settings.http_timeout_seconds,
             ),
         },
-        # Durable retries and dead-letter replays of a job or of one of its delivery rows run the
-        # job's partition; the run config says which attempt or dead letter it serves.
+        # Retries and dead-letter replays (of a job or of one recipient) are rows of the work queue
+        # falling due: the drain runs work them, no per-entity run or replay target.
+        drained=[policy.PIPELINE],
         failed_for_good={policy.PIPELINE: repository.failed_for_good},
-        replay_targets={policy.PIPELINE: ReplayTarget(job=job, run_config=pipeline.run_config,
-                                                      partition_key=policy.job_key_of)},
     )

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import httpx
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from assets.review_notifications import policy
@@ -84,10 +84,11 @@ def test_rendered_payload_is_deterministic() -> None:
     assert "CL-1" in subject and "v3" in subject and "Looks good" in text
 
 
+@settings(suppress_health_check=[HealthCheck.too_slow])  # regex generation is slow on a loaded 2-core machine
 @given(st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_/-]{0,20}", fullmatch=True), st.integers(1, 10**6),
        st.integers(1, 10**9))
 def test_entity_refs_round_trip_to_their_job(changelist: str, version: int, delivery_id: int) -> None:
-    """A delivery's dead letter finds its job's partition, and a job ref is its own partition."""
+    """A recipient's work row and dead letter find their job, and a job ref is its own job."""
     key = policy.job_key(changelist, version)
     ref = policy.delivery_ref(key, delivery_id)
     assert policy.job_key_of(key) == key and policy.delivery_id_of(key) is None
