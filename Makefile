@@ -46,3 +46,9 @@ bench: install
 
 clean:
 	rm -rf .data .dagster_home
+
+## make serve: the deployed topology on the embedded defaults, each process on its own (dagster api grpc,
+## dagster-webserver, dagster-daemon, the conversion API and worker) on dagster.yaml.example; Ctrl-C stops all.
+.PHONY: serve
+serve: install
+	@$(PY) -m devstack serve $(if $(WORKERS),--workers $(WORKERS))
