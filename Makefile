@@ -52,3 +52,9 @@ clean:
 .PHONY: serve
 serve: install
 	@$(PY) -m devstack serve $(if $(WORKERS),--workers $(WORKERS))
+
+## make constraints: re-pin constraints.txt (the image's dependency pins) from this virtualenv after a pyproject change.
+.PHONY: constraints
+constraints: install
+	@{ sed -n '1,4p' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^#'; } > constraints.txt.new
+	@mv constraints.txt.new constraints.txt
