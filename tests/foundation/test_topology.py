@@ -137,3 +137,22 @@ def test_topology_serves_work_and_leaves_no_process(db_url: str, dagster_pg_url:
     alive = [p for p in seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert alive == [], [" ".join(p.cmdline()[:4]) for p in alive]
     assert len(seen) >= len(SERVICES)
+
+
+def test_one_service_restarts_by_name_on_its_port(db_url: str, project_tmp: Path) -> None:
+    """`restart(name)` replaces just that process, which serves again on the same port; stop leaves nothing."""
+    topology = Topology(home=project_tmp / "dagster_home", env={"DATABASE_URL": db_url}, workers=2,
+                        only=["conversion-api", "conversion-worker"])
+    with topology:
+        assert sorted(topology.processes) == ["conversion-api", "conversion-worker-1", "conversion-worker-2"]
+        before = {name: p.proc.pid for name, p in topology.processes.items()}
+        topology.restart("conversion-api")
+        after = {name: p.proc.pid for name, p in topology.processes.items()}
+        assert after["conversion-api"] != before["conversion-api"]
+        assert {k: v for k, v in after.items() if k != "conversion-api"} == {
+            k: v for k, v in before.items() if k != "conversion-api"}
+        assert httpx.get(f"{topology.api_url}/healthz", timeout=10).json() == {"status": "ok"}
+        assert not psutil.pid_exists(before["conversion-api"]) or \
+            psutil.Process(before["conversion-api"]).status() == psutil.STATUS_ZOMBIE
+        assert len(topology.survivors()) >= 3  # the marker finds the live ones
+    assert topology.survivors() == []
