@@ -10,6 +10,7 @@ its faults and checks its outcome; the demo exits non-zero if any check fails.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import time
 import uuid
@@ -62,9 +63,11 @@ def evaluate_sensor(defs: dg.Definitions, instance: dg.DagsterInstance, sensor_n
 
 def failure_line(job_name: str, result: dg.ExecuteInProcessResult) -> str:
     """A failed run as one line: the job and its first step failure's first line (already redacted by the core)."""
-    messages = [event.step_failure_data.error.message for event in result.get_step_failure_events()
-                if event.step_failure_data.error is not None]
-    first = (messages[0] if messages else "the run failed").strip().splitlines()[0]
+    errors = [event.step_failure_data.error for event in result.get_step_failure_events()
+              if event.step_failure_data.error is not None]
+    first = (errors[0].message if errors else "the run failed").strip().splitlines()[0]
+    if errors:  # "dagster._core.definitions.events.Failure: ask attempt …" → "Failure: ask attempt …"
+        first = re.sub(rf"^[\w.]*\.({re.escape(errors[0].cls_name or '')}): ", r"\1: ", first)
     return f"    ✗ {job_name}: {first[:200]}"
 
 
@@ -120,6 +123,7 @@ def main() -> int:
     started = time.monotonic()
     for category in (dg.BetaWarning, dg.PreviewWarning, DeprecationWarning):  # library notices, not demo output
         warnings.filterwarnings("ignore", category=category)
+    warnings.filterwarnings("ignore", message=".*deprecated", module="orchestration.demos")  # e.g. starlette's
     print("redrive demo: starting embedded PostgreSQL, moto (S3, SQS) and the sandbox …", flush=True)
     with local_stack("dev") as stack:
         # every backoff wait × 0.01, and a 3 s alert burst window, so the demo takes seconds, not hours
