@@ -46,3 +46,15 @@ bench: install
 
 clean:
 	rm -rf .data .dagster_home
+
+## make serve: the deployed topology on the embedded defaults, each process on its own (dagster api grpc,
+## dagster-webserver, dagster-daemon, the conversion API and worker) on dagster.yaml.example; Ctrl-C stops all.
+.PHONY: serve
+serve: install
+	@$(PY) -m devstack serve $(if $(WORKERS),--workers $(WORKERS))
+
+## make constraints: re-pin constraints.txt (the image's dependency pins) from this virtualenv after a pyproject change.
+.PHONY: constraints
+constraints: install
+	@{ sed -n '1,4p' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^#'; } > constraints.txt.new
+	@mv constraints.txt.new constraints.txt

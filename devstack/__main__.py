@@ -1,4 +1,5 @@
-"""`python -m devstack run -- CMD…` runs CMD with the local stack up; `up` keeps it up until Ctrl-C."""
+"""`python -m devstack run -- CMD…` runs CMD with the local stack up; `up` keeps it up until Ctrl-C;
+`serve [--workers N]` runs the deployed topology on it (devstack/topology.py) until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from devstack.stack import local_stack
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"run", "up"}:
-        print("usage: python -m devstack run [--purpose P] -- CMD… | up", file=sys.stderr)
+    if not argv or argv[0] not in {"run", "up", "serve"}:
+        print("usage: python -m devstack run [--purpose P] -- CMD… | up | serve [--workers N]", file=sys.stderr)
         return 2
+    if argv[0] == "serve":
+        return serve(int(argv[argv.index("--workers") + 1]) if "--workers" in argv else 1)
     purpose = "dev"
     if "--purpose" in argv:
         purpose = argv[argv.index("--purpose") + 1]
@@ -39,6 +42,34 @@ def main(argv: list[str]) -> int:
         except KeyboardInterrupt:
             proc.send_signal(signal.SIGINT)
             return proc.wait()
+
+
+def serve(workers: int) -> int:
+    """`make serve`: every process of a deployment, each on its own, until Ctrl-C (or SIGTERM) stops them all."""
+    from devstack.stack import dagster_home
+    from devstack.topology import Topology
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    status = 0
+    try:
+        with local_stack("serve") as stack:
+            print("serve: starting the code server, webserver, daemon, conversion API and "
+                  f"{workers} conversion worker(s) …", flush=True)
+            with Topology(home=dagster_home("serve"), env=stack.env, workers=workers) as topology:
+                print(f"  Dagster UI        {topology.webserver_url}", flush=True)
+                print(f"  conversion API    {topology.api_url}/  (a token: python -m assets.conversion.api token alice)")
+                print(f"  logs              {topology.log_dir}/<service>.log")
+                print("  Ctrl-C stops everything.", flush=True)
+                while not (exited := topology.exited()):
+                    time.sleep(1)
+                print(f"serve: {', '.join(f'{n} exited with {c}' for n, c in exited.items())}; stopping the rest",
+                      file=sys.stderr)
+                status = 1
+    except KeyboardInterrupt:
+        pass
+    print("serve: stopped everything it started.", flush=True)
+    return status
 
 
 if __name__ == "__main__":

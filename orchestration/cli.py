@@ -18,57 +18,127 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import sqlalchemy as sa
 import typer
+from typer.core import TyperCommand, TyperGroup
 
-from redrive import deadletters
-from redrive.clock import SystemClock
-from redrive.db import downgrade_base, engine_for, upgrade_head
-from redrive.deadletters import DeadLetter, ReplayRefused
-from redrive.settings import Settings
-from resources.database import database_session
+if TYPE_CHECKING:  # the heavy modules load inside the commands that use them: `--help` stays fast
+    from datetime import datetime
 
-app = typer.Typer(help="redrive operator commands", no_args_is_help=True, add_completion=False,
-                  pretty_exceptions_enable=False)
-dlq = typer.Typer(help="dead letters: list, show, replay, resolve", no_args_is_help=True)
-db = typer.Typer(help="schema migrations", no_args_is_help=True)
-alerts_app = typer.Typer(help="alert delivery", no_args_is_help=True)
+    import sqlalchemy as sa
+
+    from redrive.deadletters import DeadLetter
+
+
+class _PipelineCommand(TyperCommand):
+    """Stands in for a pipeline's sub-app in `redrive --help`; the module is imported only when the command runs."""
+
+    def __init__(self, name: str, target: str, pipeline: str) -> None:
+        super().__init__(name, help=f"{pipeline} pipeline commands (`redrive {name} --help`)", rich_markup_mode=None)
+        self.target = target
+
+    def load(self) -> Any:
+        import importlib
+
+        module, attr = self.target.split(":")
+        command = typer.main.get_group(getattr(importlib.import_module(module), attr))  # a group even with one command
+        command.name = self.name
+        _plain_help(command)
+        return command
+
+
+def _plain_help(command: Any) -> None:
+    """One help style for every command: typer's rich style prints a flag as `--json <bool>`, as if it took a value."""
+    command.rich_markup_mode = None
+    for sub in getattr(command, "commands", {}).values():
+        _plain_help(sub)
+
+
+def _pipeline_commands() -> dict[str, _PipelineCommand]:
+    """Each pipeline's own commands (`redrive criticizer submit`, …), from the registry."""
+    from orchestration.registry import PIPELINES
+
+    return {name: _PipelineCommand(name, target, p.name) for p in PIPELINES for name, target in p.commands.items()}
+
+
+class _RedriveGroup(TyperGroup):
+    """The core's commands, plus each pipeline's sub-app mounted by name without importing it."""
+
+    # (typer ships its own copy of click: the signatures say Any rather than name either)
+    def list_commands(self, ctx: Any) -> list[str]:
+        return [*super().list_commands(ctx), *_pipeline_commands()]
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        return super().get_command(ctx, cmd_name) or _pipeline_commands().get(cmd_name)
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> tuple[str | None, Any, list[str]]:
+        name, command, rest = super().resolve_command(ctx, args)
+        if isinstance(command, _PipelineCommand):
+            command = command.load()
+        return name, command, rest
+
+
+# Plain click help (rich_markup_mode=None): rich's import alone costs about as much as the rest of `--help`.
+PLAIN = {"no_args_is_help": True, "rich_markup_mode": None}
+app = typer.Typer(cls=_RedriveGroup, help="redrive operator commands", add_completion=False,
+                  pretty_exceptions_enable=False, **PLAIN)
+dlq = typer.Typer(help="dead letters: list, show, replay, resolve", **PLAIN)
+db = typer.Typer(help="schema migrations", **PLAIN)
+alerts_app = typer.Typer(help="alert delivery", **PLAIN)
 app.add_typer(dlq, name="dlq")
 app.add_typer(db, name="db")
 app.add_typer(alerts_app, name="alerts")
-
-def _mount_pipeline_commands() -> None:
-    """Each pipeline's own commands (`redrive criticizer submit`, …), from the registry."""
-    import importlib
-
-    from orchestration.registry import PIPELINES
-
-    for pipeline in PIPELINES:
-        for name, target in pipeline.commands.items():
-            module, attr = target.split(":")
-            app.add_typer(getattr(importlib.import_module(module), attr), name=name)
-
-
-_mount_pipeline_commands()
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 
 
 @contextmanager
+def database_url() -> Iterator[str]:
+    """DATABASE_URL as it is (the deployed case, no Dagster import); unset, the embedded server for this command."""
+    from redrive.db import normalize_url
+    from redrive.settings import Settings
+
+    settings = Settings()
+    if settings.database_url:
+        yield normalize_url(settings.database_url)
+        return
+    from resources.database import database_session
+
+    with database_session(settings) as url:
+        yield url
+
+
+@contextmanager
 def connection() -> Iterator[sa.Connection]:
-    with database_session(Settings()) as url, engine_for(url).begin() as conn:
+    from redrive.db import engine_for
+
+    with database_url() as url, engine_for(url).begin() as conn:
         yield conn
 
 
 def fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+def check_pipeline(pipeline: str | None) -> None:
+    """A pipeline the registry does not know is a typo, not an empty result (issue 13 §15)."""
+    from orchestration.registry import PIPELINES
+
+    names = [p.name for p in PIPELINES]
+    if pipeline is not None and pipeline not in names:
+        fail(f"unknown pipeline {pipeline!r}; one of: {', '.join(names)}")
+
+
+def check_statuses(statuses: list[str]) -> None:
+    from redrive.schema import DEAD_LETTER_STATUSES
+
+    for status in statuses:
+        if status not in DEAD_LETTER_STATUSES:
+            fail(f"unknown status {status!r}; one of: {', '.join(DEAD_LETTER_STATUSES)}")
 
 
 def table(rows: list[DeadLetter]) -> str:
@@ -100,6 +170,8 @@ def show_text(letter: DeadLetter) -> str:
 
 
 def parse_time(value: str | None) -> datetime | None:
+    from datetime import datetime
+
     if value is None:
         return None
     try:
@@ -120,6 +192,10 @@ def dlq_list(
     as_json: JsonOpt = False,
 ) -> None:
     """Dead letters, newest failure first (open and escalated by default)."""
+    check_pipeline(pipeline)
+    check_statuses(status or [])
+    from redrive import deadletters
+
     flt = deadletters.Filter(pipeline=pipeline, error_class=error_class,
                              statuses=tuple(status) if status else (deadletters.OPEN, deadletters.ESCALATED,
                                                                     deadletters.REPLAYING), limit=limit)
@@ -131,6 +207,8 @@ def dlq_list(
 @dlq.command("show")
 def dlq_show(dead_letter_id: int, as_json: JsonOpt = False) -> None:
     """Everything triage needs (§8.5): error class, stage, attempts, context, stack, notes."""
+    from redrive import deadletters
+
     with connection() as conn:
         letter = deadletters.get(conn, dead_letter_id)
     if letter is None:
@@ -148,6 +226,10 @@ def dlq_replay(
     as_json: JsonOpt = False,
 ) -> None:
     """Replay from the failed stage after remediation; the replay sensor starts the run."""
+    from redrive import deadletters
+    from redrive.clock import SystemClock
+    from redrive.deadletters import ReplayRefused
+
     try:
         with connection() as conn:
             letter = deadletters.request_replay(conn, dead_letter_id, evidence=note, confirm_safe=confirm_safe,
@@ -174,11 +256,17 @@ def dlq_replay_bulk(
     limit: int = 1000,
 ) -> None:
     """Replay many dead letters by filter at a bounded rate, so a recovered upstream is not flooded."""
+    check_pipeline(pipeline)
+    import time
+
+    from redrive import deadletters
     from redrive.bulk import bulk_replay
+    from redrive.clock import SystemClock
+    from redrive.db import engine_for
 
     flt = deadletters.Filter(pipeline=pipeline, error_class=error_class, since=parse_time(since),
                              until=parse_time(until), limit=limit)
-    with database_session(Settings()) as url:
+    with database_url() as url:
         report = bulk_replay(engine_for(url), flt, evidence=note, confirm_safe=confirm_safe, rate=rate,
                              clock=SystemClock(), sleep=time.sleep)
     typer.echo(f"requested {report.requested} replays, refused {report.refused}")
@@ -190,6 +278,10 @@ def dlq_replay_bulk(
 def dlq_resolve(dead_letter_id: int, note: Annotated[str | None, typer.Option(help="why it is closed")] = None,
                 operator: str = "operator", as_json: JsonOpt = False) -> None:
     """Close a dead letter without replay; the note says why."""
+    from redrive import deadletters
+    from redrive.clock import SystemClock
+    from redrive.deadletters import ReplayRefused
+
     try:
         with connection() as conn:
             letter = deadletters.resolve(conn, dead_letter_id, note=note or "", at=SystemClock().now(),
@@ -204,13 +296,15 @@ def dlq_reconcile(limit: Annotated[int, typer.Option(help="at most this many per
     """Dead-letter (and alert) every entity failed for good without a dead letter, as the
     redrive_dead_letter_reconciliation sensor does every 5 minutes."""
     from orchestration.registry import load_pipelines  # the command is an edge: it may load the pipelines
+    from redrive.db import engine_for
     from redrive.reconcile import reconcile
     from redrive.reliability import Reliability
+    from redrive.settings import Settings
     from resources.factory import notifier_from
 
     settings = Settings()
     sources = {k: v for p in load_pipelines(settings) for k, v in p.failed_for_good.items()}
-    with database_session(settings) as url:
+    with database_url() as url:
         runtime = Reliability(engine=engine_for(url),
                               channels=notifier_from(settings).process_config_and_initialize().channels(),
                               burst_window=settings.alert_burst_window_seconds)
@@ -223,12 +317,15 @@ def dlq_reconcile(limit: Annotated[int, typer.Option(help="at most this many per
 @alerts_app.command("dispatch")
 def alerts_dispatch() -> None:
     """Send pending alerts now (the alert sensor does this every 30 s)."""
-    from resources.factory import notifier_from
+    from redrive.db import engine_for
     from redrive.reliability import Reliability
+    from redrive.settings import Settings
+    from resources.factory import notifier_from
 
     settings = Settings()
-    with database_session(settings) as url:
-        runtime = Reliability(engine=engine_for(url), channels=notifier_from(settings).process_config_and_initialize().channels(),
+    with database_url() as url:
+        runtime = Reliability(engine=engine_for(url),
+                              channels=notifier_from(settings).process_config_and_initialize().channels(),
                               burst_window=settings.alert_burst_window_seconds)
         report = runtime.try_dispatch()
     typer.echo(f"{report}" if report else "no channel configured")
@@ -237,7 +334,9 @@ def alerts_dispatch() -> None:
 @db.command("upgrade")
 def db_upgrade() -> None:
     """alembic upgrade head."""
-    with database_session(Settings()) as url:
+    from redrive.db import upgrade_head
+
+    with database_url() as url:
         upgrade_head(url)
     typer.echo("schema at head")
 
@@ -247,7 +346,9 @@ def db_downgrade(yes: Annotated[bool, typer.Option("--yes", help="really drop ev
     """alembic downgrade base (drops redrive's tables)."""
     if not yes:
         fail("this drops every redrive table; pass --yes")
-    with database_session(Settings()) as url:
+    from redrive.db import downgrade_base
+
+    with database_url() as url:
         downgrade_base(url)
     typer.echo("schema at base")
 

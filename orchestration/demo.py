@@ -10,10 +10,11 @@ its faults and checks its outcome; the demo exits non-zero if any check fails.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import time
-import traceback
 import uuid
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,10 @@ from orchestration.definitions import build_definitions
 from orchestration.registry import PIPELINES
 from redrive.db import engine_for
 from redrive.settings import Settings
+
+# Dagster's console logger prints every failed step with its stack trace; the demo fails runs on purpose,
+# so runs log nothing to the console and `DemoContext.run` prints each failure as one line instead.
+QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 @dataclass(frozen=True)
 class SensorTick:
@@ -56,6 +61,16 @@ def evaluate_sensor(defs: dg.Definitions, instance: dg.DagsterInstance, sensor_n
     return evaluate_sensor_tick(defs, instance, sensor_name).run_requests
 
 
+def failure_line(job_name: str, result: dg.ExecuteInProcessResult) -> str:
+    """A failed run as one line: the job and its first step failure's first line (already redacted by the core)."""
+    errors = [event.step_failure_data.error for event in result.get_step_failure_events()
+              if event.step_failure_data.error is not None]
+    first = (errors[0].message if errors else "the run failed").strip().splitlines()[0]
+    if errors:  # "dagster._core.definitions.events.Failure: ask attempt …" → "Failure: ask attempt …"
+        first = re.sub(rf"^[\w.]*\.({re.escape(errors[0].cls_name or '')}): ", r"\1: ", first)
+    return f"    ✗ {job_name}: {first[:200]}"
+
+
 @dataclass
 class DemoReport:
     pipeline: str
@@ -78,10 +93,11 @@ class DemoContext:
     def run(self, job_name: str, *, run_config: Mapping[str, Any] | None = None, tags: Mapping[str, str] | None = None,
             partition_key: str | None = None) -> dg.ExecuteInProcessResult:
         job = self.defs.resolve_job_def(job_name)
-        quiet = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # the summary is the output
-        return job.execute_in_process(run_config={**quiet, **(run_config or {})}, instance=self.instance,
-                                      tags=dict(tags or {}),
-                                      partition_key=partition_key, raise_on_error=False)
+        result = job.execute_in_process(run_config={**QUIET, **(run_config or {})}, instance=self.instance,
+                                        tags=dict(tags or {}), partition_key=partition_key, raise_on_error=False)
+        if not result.success:
+            print(failure_line(job_name, result), flush=True)
+        return result
 
     def tick(self, sensor_name: str) -> list[dg.ExecuteInProcessResult]:
         """One daemon tick of a sensor: evaluate it, launch what it requests (honouring run keys)."""
@@ -105,6 +121,9 @@ class DemoContext:
 
 def main() -> int:
     started = time.monotonic()
+    for category in (dg.BetaWarning, dg.PreviewWarning, DeprecationWarning):  # library notices, not demo output
+        warnings.filterwarnings("ignore", category=category)
+    warnings.filterwarnings("ignore", message=".*deprecated", module="orchestration.demos")  # e.g. starlette's
     print("redrive demo: starting embedded PostgreSQL, moto (S3, SQS) and the sandbox …", flush=True)
     with local_stack("dev") as stack:
         # every backoff wait × 0.01, and a 3 s alert burst window, so the demo takes seconds, not hours
@@ -123,9 +142,14 @@ def main() -> int:
             name, module = pipeline.name, pipeline.demo
             try:
                 reports.append(importlib.import_module(module).run_demo(ctx))
-            except Exception:  # noqa: BLE001 - report every pipeline, then fail the demo
+            except Exception as exc:  # noqa: BLE001 - report every pipeline, then fail the demo
                 failed.append(name)
-                print(f"  {name}: demo check FAILED\n" + traceback.format_exc(limit=3), file=sys.stderr)
+                where = exc.__traceback__
+                while where is not None and where.tb_next is not None:
+                    where = where.tb_next
+                at = f" ({where.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{where.tb_lineno})" if where else ""
+                print(f"  {name}: demo check FAILED: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                      f"{at}", file=sys.stderr)
         defs.resources["reliability"].runtime().try_dispatch()  # what the alert sensor does every 30 s
         # alerts only: the alert webhook path, and the alert mails (pipelines also post results and send emails)
         slack = sum(1 for e in sandbox.effects("slack.message") if e.get("path") == "redrive-alerts")

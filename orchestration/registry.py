@@ -12,11 +12,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
+if TYPE_CHECKING:  # `redrive --help` reads this list: no SQLAlchemy or settings import just for annotations
+    import sqlalchemy as sa
 
-from redrive.settings import Settings
+    from redrive.settings import Settings
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,14 @@ local stack starts) is decided at the edge, in `resources.database`.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
-from alembic import command
-from alembic.config import Config
 
 from redrive.settings import PROJECT_ROOT
+
+if TYPE_CHECKING:  # Alembic loads only where the schema changes, not in every process that queries
+    from alembic.config import Config
 
 VERSION_TABLE = "redrive_alembic_version"  # Dagster keeps its own alembic_version
 
@@ -40,6 +42,8 @@ engine_for.cache_clear = _engine.cache_clear  # type: ignore[attr-defined]
 
 
 def alembic_config(url: str) -> Config:
+    from alembic.config import Config
+
     cfg = Config(str(PROJECT_ROOT / "alembic.ini"))
     cfg.set_main_option("script_location", str(PROJECT_ROOT / "migrations"))
     cfg.attributes["database_url"] = normalize_url(url)
@@ -48,8 +52,12 @@ def alembic_config(url: str) -> Config:
 
 def upgrade_head(url: str) -> None:
     """Every branch to its head: the core and each pipeline's schema are branches of their own."""
+    from alembic import command
+
     command.upgrade(alembic_config(url), "heads")
 
 
 def downgrade_base(url: str) -> None:
+    from alembic import command
+
     command.downgrade(alembic_config(url), "base")

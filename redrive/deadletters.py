@@ -11,15 +11,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB, insert
 
-from redrive.failures import Failure
 from redrive.sanitize import sanitize_context, sanitize_text
 from redrive import work
 from redrive.schema import dead_letters, work_items
+
+if TYPE_CHECKING:  # an annotation only: reading dead letters need not load every client library failures knows
+    from redrive.failures import Failure
 
 OPEN, REPLAYING, ESCALATED, RESOLVED = "open", "replaying", "escalated", "resolved"
 FROM_FAILED_STAGE, FROM_START = "failed_stage", "start"

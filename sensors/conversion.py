@@ -24,10 +24,10 @@ IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.Dag
 
 def conversion_worker_sensor(minimum_interval_seconds: int = 15) -> dg.SensorDefinition:
     @dg.sensor(name="conversion_workers", jobs=[conversion_worker_job, conversion_breaker_probe_job],
-               minimum_interval_seconds=minimum_interval_seconds, default_status=dg.DefaultSensorStatus.RUNNING)
+               minimum_interval_seconds=minimum_interval_seconds, default_status=dg.DefaultSensorStatus.RUNNING,
+               description="Starts conversion worker runs while jobs are due and the PDF gateway's breaker is closed (003 §3.3, §3.4).")
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource,
                 conversion: ConversionResource):
-        """Starts conversion worker runs while jobs are due and the PDF gateway's breaker is closed (003 §3.3, §3.4)."""
         runtime = reliability.runtime()
         settings = conversion.settings()
         now = runtime.now()

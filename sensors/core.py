@@ -31,9 +31,9 @@ PIPELINE_TAG = "redrive/pipeline"
 
 def alert_delivery_sensor(minimum_interval_seconds: int = 30) -> dg.SensorDefinition:
     @dg.sensor(name="redrive_alert_delivery", minimum_interval_seconds=minimum_interval_seconds,
-               default_status=dg.DefaultSensorStatus.RUNNING)
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description="Delivers pending alerts (retrying after a notifier outage, releasing held bursts).")
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource) -> dg.SkipReason:
-        """Delivers pending alerts (retrying after a notifier outage, releasing held bursts)."""
         report = reliability.runtime().try_dispatch()
         if report is None:
             return dg.SkipReason("no alert channel configured or dispatch failed; deliveries stay pending")
@@ -80,7 +80,8 @@ def _failed_step(context: dg.RunFailureSensorContext) -> tuple[str, str]:
 
 def run_failure_alert_sensor(asset_pipelines: Mapping[dg.AssetKey, str] | None = None) -> dg.SensorDefinition:
     @dg.run_failure_sensor(name="redrive_run_failure_alerts", monitor_all_code_locations=False,
-                           default_status=dg.DefaultSensorStatus.RUNNING)
+                           default_status=dg.DefaultSensorStatus.RUNNING,
+                           description="Posts unexpected run failures to the alert channels; silent for runs Dagster will retry.")
     def _sensor(context: dg.RunFailureSensorContext, reliability: ReliabilityResource) -> None:
         """Dead-letters and alerts unexpected run failures once; silent for runs Dagster will retry.
 
@@ -125,9 +126,9 @@ class ReplayTarget:
 def deferred_retry_sensor(pipeline: str, target: ReplayTarget, *, limit: int = 100,
                           minimum_interval_seconds: int = 30) -> dg.SensorDefinition:
     @dg.sensor(name=f"{pipeline}_deferred_retries", job=target.job,
-               minimum_interval_seconds=minimum_interval_seconds, default_status=dg.DefaultSensorStatus.RUNNING)
+               minimum_interval_seconds=minimum_interval_seconds, default_status=dg.DefaultSensorStatus.RUNNING,
+               description=f"Requests the next attempt of {pipeline} entities whose durable retry timer is due.")
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
-        """Requests the next attempt of entities whose durable retry timer is due."""
         runtime = reliability.runtime()
         with runtime.engine.connect() as conn:
             due = timers.due(conn, runtime.now(), pipeline=pipeline, limit=limit)
@@ -164,9 +165,9 @@ def dead_letter_replay_sensor(targets: Mapping[str, ReplayTarget], *, limit: int
                               minimum_interval_seconds: int = 15) -> dg.SensorDefinition:
     jobs = list({t.job_name: t.job for t in targets.values()}.values())
 
-    @dg.sensor(name="redrive_dead_letter_replays", jobs=jobs, minimum_interval_seconds=minimum_interval_seconds, default_status=dg.DefaultSensorStatus.RUNNING)
+    @dg.sensor(name="redrive_dead_letter_replays", jobs=jobs, minimum_interval_seconds=minimum_interval_seconds, default_status=dg.DefaultSensorStatus.RUNNING,
+               description="Starts a run for each dead letter an operator asked to replay (`redrive dlq replay`).")
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
-        """Starts a run for each dead letter an operator asked to replay (`redrive dlq replay`)."""
         runtime = reliability.runtime()
         with runtime.engine.connect() as conn:
             pending = deadletters.replays_pending(conn, limit=limit)

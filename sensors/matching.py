@@ -30,9 +30,9 @@ REQUESTED = {"matching/requested_by": "matching_queue_sensor"}
 def matching_queue_sensor(job: dg.JobDefinition, *, minimum_interval_seconds: int = 30,
                           max_concurrent: int = 1) -> dg.SensorDefinition:
     @dg.sensor(name="matching_queue_sensor", job=job, minimum_interval_seconds=minimum_interval_seconds,
-               default_status=dg.DefaultSensorStatus.RUNNING)
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description="Requests a drain run when the matching queue has visible messages (ApproximateNumberOfMessages).")
     def _sensor(context: dg.SensorEvaluationContext, matching: MatchingResource):
-        """Requests a drain run when the matching queue has visible messages (ApproximateNumberOfMessages)."""
         depth = matching.queue().depth()
         if depth.visible == 0:
             return dg.SkipReason(f"matching queue empty ({depth.in_flight} in flight or waiting out a retry step)")
@@ -74,9 +74,9 @@ def stuck_alert(document: repository.Stuck, matching: MatchingResource, threshol
 
 def matching_stuck_sensor(*, minimum_interval_seconds: int = 60) -> dg.SensorDefinition:
     @dg.sensor(name="matching_stuck_documents", minimum_interval_seconds=minimum_interval_seconds,
-               default_status=dg.DefaultSensorStatus.RUNNING)
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description="Alerts once per document left in-progress longer than MATCHING_STUCK_AFTER_SECONDS (a crashed worker).")
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource, matching: MatchingResource):
-        """Alerts once per document left in-progress longer than MATCHING_STUCK_AFTER_SECONDS (a crashed worker)."""
         runtime = reliability.runtime()
         now = runtime.now()
         with runtime.engine.connect() as conn:

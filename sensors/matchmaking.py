@@ -29,9 +29,9 @@ def schedule_requests(tick: datetime, timezones: Sequence[str], hour: int, start
 
 def matchmaking_schedule(job, timezones: Sequence[str], hour: int, start: date) -> dg.ScheduleDefinition:
     @dg.schedule(name="matchmaking_hourly", cron_schedule="0 * * * *", execution_timezone="UTC", job=job,
-                 default_status=dg.DefaultScheduleStatus.RUNNING)
+                 default_status=dg.DefaultScheduleStatus.RUNNING,
+                 description="Every hour on the hour: the timezones where it has just turned the offer hour (9 AM) locally.")
     def _schedule(context: dg.ScheduleEvaluationContext):
-        """Every hour on the hour: the timezones where it has just turned the offer hour (9 AM) locally."""
         tick = context.scheduled_execution_time or datetime.now(UTC)  # manual evaluation without a tick time
         requests = schedule_requests(tick, timezones, hour, start)
         return requests or dg.SkipReason(

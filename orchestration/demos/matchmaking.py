@@ -29,7 +29,7 @@ QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}  # runs 
 
 
 def run_demo(ctx):  # -> orchestration.demo.DemoReport
-    from orchestration.demo import DemoReport, evaluate_sensor
+    from orchestration.demo import DemoReport, evaluate_sensor, failure_line
 
     report = DemoReport(PIPELINE)
     # As an operator who publishes scoring weights to the artifact store configures it (MATCHMAKING_SCORING_PATH).
@@ -39,9 +39,12 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     job = defs.resolve_job_def(JOB)
 
     def run(**kwargs: Any) -> dg.ExecuteInProcessResult:
-        return job.execute_in_process(partition_key=kwargs.pop("partition_key", KEY), instance=ctx.instance,
-                                      run_config={**QUIET, **kwargs.pop("run_config", {})},
-                                      raise_on_error=False, **kwargs)
+        result = job.execute_in_process(partition_key=kwargs.pop("partition_key", KEY), instance=ctx.instance,
+                                        run_config={**QUIET, **kwargs.pop("run_config", {})},
+                                        raise_on_error=False, **kwargs)
+        if not result.success:
+            print(failure_line(JOB, result), flush=True)  # one line, never Dagster's stack trace
+        return result
 
     def metadata(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
         if result.success:

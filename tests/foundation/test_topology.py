@@ -1,0 +1,158 @@
+"""`make serve`'s processes (devstack/topology.py): each on its own, work goes through them, nothing survives.
+
+One test, because the topology costs a minute to start on a shared machine: the webserver loads the
+`redrive` location from the gRPC code server, the daemon heartbeats, a PDF uploaded to the conversion
+API is converted by the conversion worker process, a run launched through GraphQL goes QUEUED →
+SUCCESS by the daemon's run coordinator, and after `stop()` no process of the topology is left.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from assets.conversion import repository as conversion_repo
+from devstack.postgres import create_database, drop_database, with_database
+from devstack.topology import SERVICES, Topology
+from redrive.db import engine_for, normalize_url
+from tests.conversion.conftest import make_pdf
+
+WORKSPACE = """{ workspaceOrError { ... on Workspace { locationEntries { name loadStatus
+    displayMetadata { key value } locationOrLoadError { __typename ... on PythonError { message } } } } } }"""
+DAEMONS = "{ instance { daemonHealth { allDaemonStatuses { daemonType healthy required } } } }"
+LAUNCH = """mutation($p: ExecutionParams!) { launchRun(executionParams: $p) { __typename
+    ... on LaunchRunSuccess { run { runId status } } ... on PythonError { message }
+    ... on RunConfigValidationInvalid { errors { message } } } }"""
+RUN = """query($id: ID!) { runOrError(runId: $id) { __typename ... on Run { status tags { key value } } } }"""
+
+
+def graphql(topology: Topology, query: str, **variables: Any) -> dict[str, Any]:
+    reply = httpx.post(f"{topology.webserver_url}/graphql", json={"query": query, "variables": variables}, timeout=30)
+    reply.raise_for_status()
+    body = reply.json()
+    assert "errors" not in body, body
+    return body["data"]
+
+
+def eventually(check: Callable[[], Any], what: str, timeout: float = 180.0) -> Any:
+    """Poll until `check` returns something truthy: waiting on real processes, not asserting a duration."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        time.sleep(1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def dagster_pg_url(admin_url: str):
+    """Dagster's run, event and schedule storage in a database of this test's own."""
+    name = f"dagster_topology_{os.getpid()}"
+    drop_database(admin_url, name)
+    create_database(admin_url, name)
+    url = normalize_url(with_database(admin_url, name))
+    yield url
+    engine_for(url).dispose()
+    drop_database(admin_url, name)
+
+
+@pytest.mark.timeout(900)
+def test_topology_serves_work_and_leaves_no_process(db_url: str, dagster_pg_url: str, project_tmp: Path,
+                                                    sandbox) -> None:
+    """Every service of SERVICES starts on its own; work submitted through the API and GraphQL finishes."""
+    env = {"DATABASE_URL": db_url, "DAGSTER_PG_URL": dagster_pg_url,
+           "UPLOADS_DIR": str(project_tmp / "uploads"), "RESULTS_DIR": str(project_tmp / "results"),
+           "WORKER_IDLE_SLEEP_SEC": "0.2"}
+    with engine_for(db_url).begin() as conn:
+        token = conversion_repo.create_token(conn, "alice")
+    topology = Topology(home=project_tmp / "dagster_home", env=env, workers=1)
+    seen: dict[int, psutil.Process] = {}
+
+    def remember() -> None:
+        for process in topology.processes.values():
+            try:
+                leader = psutil.Process(process.proc.pid)
+                for proc in [leader, *leader.children(recursive=True)]:
+                    seen.setdefault(proc.pid, proc)
+            except psutil.NoSuchProcess:
+                pass
+
+    with topology:
+        assert sorted({p.service.name for p in topology.processes.values()}) == sorted(s.name for s in SERVICES)
+        remember()
+
+        # the webserver serves the location it loaded from the code server's gRPC port
+        [entry] = graphql(topology, WORKSPACE)["workspaceOrError"]["locationEntries"]
+        assert entry["name"] == "redrive" and entry["loadStatus"] == "LOADED"
+        assert entry["locationOrLoadError"]["__typename"] == "RepositoryLocation", entry
+        assert {"key": "port", "value": topology.values["grpc_port"]} in entry["displayMetadata"]
+
+        # the daemon heartbeats: the sensor daemon and the run queue among them
+        def daemons_healthy() -> bool:
+            statuses = graphql(topology, DAEMONS)["instance"]["daemonHealth"]["allDaemonStatuses"]
+            healthy = {s["daemonType"] for s in statuses if s["healthy"]}
+            return {"SENSOR", "SCHEDULER", "QUEUED_RUN_COORDINATOR"} <= healthy
+
+        eventually(daemons_healthy, "the daemon's heartbeats")
+
+        # a PDF through the conversion API, converted by the conversion worker process
+        auth = {"authorization": f"Bearer {token}", "x-filename": "topology.pdf"}
+        created = httpx.post(f"{topology.api_url}/api/jobs", content=make_pdf("topology"), headers=auth, timeout=30)
+        assert created.status_code == 201, created.text
+        job_id = created.json()["id"]
+
+        def job_done() -> dict[str, Any] | None:
+            job = httpx.get(f"{topology.api_url}/api/jobs/{job_id}", headers=auth, timeout=30).json()
+            return job if job["status"] in {"succeeded", "failed"} else None
+
+        assert eventually(job_done, "the conversion job")["status"] == "succeeded"
+        result = httpx.get(f"{topology.api_url}/api/jobs/{job_id}/result", headers=auth, timeout=30)
+        assert result.status_code == 200 and b"topology" in result.content
+
+        # a run launched through GraphQL is queued, then dequeued and run by the daemon
+        params = {"selector": {"repositoryLocationName": "redrive", "repositoryName": "__repository__",
+                               "jobName": "stack_healthcheck_job"}, "runConfigData": {}}
+        launched = graphql(topology, LAUNCH, p=params)["launchRun"]
+        assert launched["__typename"] == "LaunchRunSuccess", launched
+        assert launched["run"]["status"] == "QUEUED"  # the QueuedRunCoordinator of dagster.yaml.example
+        run_id = launched["run"]["runId"]
+
+        def run_finished() -> str | None:
+            remember()  # the run worker and its children, while they exist
+            status = graphql(topology, RUN, id=run_id)["runOrError"]["status"]
+            return status if status in {"SUCCESS", "FAILURE", "CANCELED"} else None
+
+        assert eventually(run_finished, "the healthcheck run", timeout=300) == "SUCCESS"
+        assert topology.exited() == {}  # no service died along the way
+
+    assert topology.survivors() == []
+    alive = [p for p in seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], [" ".join(p.cmdline()[:4]) for p in alive]
+    assert len(seen) >= len(SERVICES)
+
+
+def test_one_service_restarts_by_name_on_its_port(db_url: str, project_tmp: Path) -> None:
+    """`restart(name)` replaces just that process, which serves again on the same port; stop leaves nothing."""
+    topology = Topology(home=project_tmp / "dagster_home", env={"DATABASE_URL": db_url}, workers=2,
+                        only=["conversion-api", "conversion-worker"])
+    with topology:
+        assert sorted(topology.processes) == ["conversion-api", "conversion-worker-1", "conversion-worker-2"]
+        before = {name: p.proc.pid for name, p in topology.processes.items()}
+        topology.restart("conversion-api")
+        after = {name: p.proc.pid for name, p in topology.processes.items()}
+        assert after["conversion-api"] != before["conversion-api"]
+        assert {k: v for k, v in after.items() if k != "conversion-api"} == {
+            k: v for k, v in before.items() if k != "conversion-api"}
+        assert httpx.get(f"{topology.api_url}/healthz", timeout=10).json() == {"status": "ok"}
+        assert not psutil.pid_exists(before["conversion-api"]) or \
+            psutil.Process(before["conversion-api"]).status() == psutil.STATUS_ZOMBIE
+        assert len(topology.survivors()) >= 3  # the marker finds the live ones
+    assert topology.survivors() == []
