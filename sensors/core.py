@@ -240,7 +240,9 @@ def due_work_sensor(pipeline: str, job: dg.JobDefinition, *, by_partition: bool 
 def dead_letter_reconciliation_sensor(sources: Mapping[str, FailedForGood], *, limit: int = 100,
                                       minimum_interval_seconds: int = 300) -> dg.SensorDefinition:
     @dg.sensor(name="redrive_dead_letter_reconciliation", minimum_interval_seconds=minimum_interval_seconds,
-               default_status=dg.DefaultSensorStatus.RUNNING)
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description="Finds entities of any pipeline marked failed for good without a dead letter (a crash "
+                           "between two commits) and writes the missing dead letter and alert, once.")
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource) -> dg.SkipReason:
         """Gives every entity failed for good its dead letter and alert, if a crash between two commits lost them."""
         repaired = reconcile(reliability.runtime(), sources, limit=limit)

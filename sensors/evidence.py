@@ -60,7 +60,9 @@ def inbox_sensor(settings: EvidenceSettings, bucket: str, *, minimum_interval_se
     inbox_bucket = settings.bucket or bucket
 
     @dg.sensor(name=INBOX_SENSOR, job=pipeline.evidence_file_job, minimum_interval_seconds=minimum_interval_seconds,
-               default_status=dg.DefaultSensorStatus.RUNNING)
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description="004 §2: each new file-job ZIP under the S3 inbox prefix becomes a file-job partition "
+                           "and its first run (ingest, then the first attach pass).")
     def _sensor(context: dg.SensorEvaluationContext, s3: S3Resource):
         """New file-job ZIPs under the inbox prefix become file-job partitions and ingest runs."""
         client = s3.get_client()
