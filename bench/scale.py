@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -56,6 +57,7 @@ class Load:
     submit: Callable[[sa.Engine, SandboxClient, str, int], None]
     handler: Callable[[Reliability, Any], tuple[dict[str, Any], Handler]]  # (policies, handle) from resources
     effects: Callable[[SandboxClient], tuple[int, int]]  # (effects, distinct effects) at the sandbox
+    submit_direct: Callable[[sa.Engine, SandboxClient, str, int], None] | None = None  # when unlike `submit`
 
 
 def _criticizer_submit(engine: sa.Engine, sandbox: SandboxClient, session: str, n: int) -> None:
@@ -81,7 +83,104 @@ def _webhook_effects(sandbox: SandboxClient) -> tuple[int, int]:
     return len(posts), len({e["path"] for e in posts})
 
 
+def _review_submit(engine: sa.Engine, sandbox: SandboxClient, session: str, n: int) -> None:
+    """n review jobs of one recipient each (a job is the drained entity; its recipient the effect)."""
+    from assets.review_notifications import api
+
+    for i in range(n):
+        api.submit(engine, {"idempotency_key": f"scale-{session}-{i}", "changelist_id": f"CL-{session}-{i}",
+                            "review_version": 1, "recipients": [f"reviewer-{i}@example.com"],
+                            "summary": "bench"})
+
+
+def _review_handler(runtime: Reliability, resources: Any) -> tuple[dict[str, Any], Handler]:
+    from assets.review_notifications import pipeline
+    from assets.review_notifications.settings import ReviewNotificationSettings
+
+    knobs = ReviewNotificationSettings()
+    mail = resources["review_mail"].provider().__enter__()  # held for the benchmark's process lifetime
+    return (pipeline.stage_policies(knobs.job_attempts),
+            pipeline.ReviewJobHandler(runtime, mail, row_attempts=knobs.row_attempts))
+
+
+EVIDENCE_ROWS_PER_JOB = 200
+
+
+def _evidence_zips(session: str, n: int) -> list[tuple[str, bytes]]:
+    from tests.evidence.helpers import standard_job  # the test suite's ZIP maker: manifest + one PDF per row
+
+    jobs = max(1, n // EVIDENCE_ROWS_PER_JOB)
+    return [(f"scale-{session}-{j}.zip", standard_job(f"scale-{session}-{j}", n // jobs, 1)[0]) for j in range(jobs)]
+
+
+def _evidence_submit(engine: sa.Engine, sandbox: SandboxClient, session: str, n: int) -> None:
+    """Drop n/200 file-job ZIPs of 200 rows in the S3 inbox: the inbox sensor takes it from there."""
+    from assets.evidence.settings import EvidenceSettings
+    from redrive.settings import Settings as Core
+    from resources.aws import ensure_bucket
+
+    defs = _defs()
+    client, evidence = defs.resources["s3"].get_client(), EvidenceSettings()
+    bucket = evidence.bucket or Core().redrive_bucket
+    ensure_bucket(client, bucket)
+    for name, data in _evidence_zips(session, n):
+        client.put_object(Bucket=bucket, Key=f"{evidence.inbox_prefix}{name}", Body=data,
+                          Metadata={"notify-to": "merchant@example.com"})
+
+
+def _evidence_direct(engine: sa.Engine, sandbox: SandboxClient, session: str, n: int) -> None:
+    """The same file jobs ingested in this process (the ingest stage and its writes), no sensor, no run."""
+    from assets.evidence import policy, worker
+    from assets.evidence import repository as repo
+
+    defs = _defs()
+    client, options = defs.resources["s3"].get_client(), defs.resources["evidence_options"]
+    runtime = defs.resources["reliability"].runtime()
+    from resources.aws import ensure_bucket
+
+    ensure_bucket(client, options.bucket)
+    for name, data in _evidence_zips(session, n):
+        key = f"bench-direct/{name}"
+        client.put_object(Bucket=options.bucket, Key=key, Body=data)
+        etag = str(client.head_object(Bucket=options.bucket, Key=key)["ETag"]).strip('"')
+        job_id = policy.file_job_id(options.bucket, key, etag)
+        with runtime.engine.begin() as conn:
+            job = repo.upsert_file_job(conn, job_id, bucket=options.bucket, key=key, etag=etag,
+                                       notify_to="merchant@example.com", now=runtime.now())
+        worker.ingest(runtime, client, options, job)
+
+
+def _evidence_handler(runtime: Reliability, resources: Any) -> tuple[dict[str, Any], Handler]:
+    from assets.evidence import pipeline, worker
+
+    api = resources["case_api"].session().__enter__()  # held for the benchmark's process lifetime
+    return dict(pipeline.ROW_POLICIES), worker.row_handler(runtime, api,
+                                                           max_attempts=resources["evidence_options"].max_attempts)
+
+
+def _attach_effects(sandbox: SandboxClient) -> tuple[int, int]:
+    attaches = sandbox.effects("case.attach")
+    return len(attaches), len({e.get("idempotency_key") for e in attaches})
+
+
+_DEFS: list[Any] = []
+
+
+def _defs() -> Any:
+    """The code location's resources on this benchmark's settings (built once per pipeline's database)."""
+    return _DEFS[-1]
+
+
+def _mail_effects(sandbox: SandboxClient) -> tuple[int, int]:
+    sends = [e for e in sandbox.effects("mail.send") if str(e.get("to", "")).startswith("reviewer-")]
+    return len(sends), len({(e.get("to"), e.get("idempotency_token")) for e in sends})
+
+
 LOADS: dict[str, Load] = {
+    "evidence": Load("evidence", "evidence_file_job", ("case.attach",), _evidence_submit, _evidence_handler,
+                     _attach_effects, _evidence_direct),
+    "review_notifications": Load("review_notifications", "review_notifications_job", ("mail.send",), _review_submit,
+                                 _review_handler, _mail_effects),
     "criticizer": Load("criticizer", "criticizer_job", ("store", "llm", "slack"), _criticizer_submit,
                        _criticizer_handler, _webhook_effects),
 }
@@ -108,14 +207,20 @@ def _open(engine: sa.Engine, pipeline: str) -> int:
             work_items.c.pipeline == pipeline, work_items.c.status.in_(work.OPEN_STATUSES))).scalar_one()
 
 
-def _wait_drained(engine: sa.Engine, pipeline: str, timeout: float) -> int:
+def _total(engine: sa.Engine, pipeline: str) -> int:
+    with engine.connect() as conn:
+        return conn.execute(sa.select(sa.func.count()).select_from(work_items).where(
+            work_items.c.pipeline == pipeline)).scalar_one()
+
+
+def _wait_drained(engine: sa.Engine, pipeline: str, expected_total: int, timeout: float) -> int:
+    """Until every expected entity exists (evidence rows appear at ingest) and none is open; what is left open."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        left = _open(engine, pipeline)
-        if left == 0:
+        if _total(engine, pipeline) >= expected_total and _open(engine, pipeline) == 0:
             return 0
-        time.sleep(1.0)
-    return _open(engine, pipeline)
+        time.sleep(1.0)  # polling the database for the deployment's progress; not a timing assertion
+    return _open(engine, pipeline) + max(0, expected_total - _total(engine, pipeline))
 
 
 def cpu_of(pids: list[int]) -> float:
@@ -139,7 +244,11 @@ def cpu_of(pids: list[int]) -> float:
     return total
 
 
+CRITIQUE = {"verdict": "approve", "score": 8, "summary": "Fine.", "findings": []}
+
+
 def _faults(sandbox: SandboxClient, routes: tuple[str, ...], seed: int) -> None:
+    sandbox.set_default("llm", content=json.dumps(CRITIQUE))
     for route in routes:
         sandbox.random_faults(route, seed=seed, rates=TRANSIENT_RATES, retry_after="1")
 
@@ -152,12 +261,12 @@ def run_direct(load: Load, settings: Settings, n: int, session: str, pg_pids: li
     sandbox.reset()
     _faults(sandbox, load.routes, seed=7)
     engine = engine_for(settings.database_url or "")
-    defs = build_definitions(settings)
+    defs = _DEFS[-1] if _DEFS else build_definitions(settings)
     runtime = defs.resources["reliability"].runtime()
     policies, handle = load.handler(runtime, defs.resources)
-    load.submit(engine, sandbox, session, n)
     me = psutil.Process()
     cpu0, pg0, started = sum(me.cpu_times()[:2]), cpu_of(pg_pids), time.perf_counter()
+    (load.submit_direct or load.submit)(engine, sandbox, session, n)
     drain = Drain(reliability=runtime, pipeline=load.pipeline, policies=policies, owner="bench-direct",
                   concurrency=8, batch_size=50, linger_seconds=5.0, max_seconds=3600)
     while _open(engine, load.pipeline):
@@ -168,21 +277,38 @@ def run_direct(load: Load, settings: Settings, n: int, session: str, pg_pids: li
     return Outcome(n, seconds, cpu, 0, _open(engine, load.pipeline), effects, distinct)
 
 
-def run_deployed(load: Load, settings: Settings, n: int, session: str, topology_factory: Callable[..., Any],
-                 pg_pids: list[int], timeout: float) -> Outcome:
+@contextmanager
+def deployment(settings: Settings, home: Path) -> Iterator[Any]:
+    """The code server and the daemon of `make serve` (devstack.topology), on this benchmark's database."""
+    from devstack.topology import Topology
+
+    env = {"DATABASE_URL": settings.database_url or "", "REDRIVE_TIME_SCALE": str(settings.redrive_time_scale),
+           "CRITICIZER_SENSOR_INTERVAL_SECONDS": "5", "REVIEW_NOTIFICATIONS_SENSOR_INTERVAL_SECONDS": "5"}
+    with Topology(home=home, env=env, only=["code-server", "daemon"]) as topology:
+        yield topology
+
+
+def run_deployed(load: Load, settings: Settings, n: int, session: str, pg_pids: list[int],
+                 timeout: float) -> Outcome:
     """The work as production does it: the daemon ticks the sensor, runs are queued, launched, drained."""
+    import dagster as dg
+
     sandbox = SandboxClient(os.environ["SANDBOX_URL"])
     sandbox.reset()
     _faults(sandbox, load.routes, seed=11)
     engine = engine_for(settings.database_url or "")
-    with topology_factory(settings) as topology:
-        cpu0, pg0 = cpu_of(topology.pids()), cpu_of(pg_pids)
-        started = time.perf_counter()
+    home = settings.redrive_data_dir / "bench-scale" / session
+    with deployment(settings, home) as topology:
+        instance = dg.DagsterInstance.from_config(str(home))
+        runs0 = instance.get_runs_count(dg.RunsFilter(job_name=load.job))
+        pids = [p.proc.pid for p in topology.processes.values()]
+        cpu0, pg0 = cpu_of(pids), cpu_of(pg_pids)
+        started, before = time.perf_counter(), _total(engine, load.pipeline)
         load.submit(engine, sandbox, session, n)
-        left = _wait_drained(engine, load.pipeline, timeout)
+        left = _wait_drained(engine, load.pipeline, before + n, timeout)
         seconds = time.perf_counter() - started
-        cpu = cpu_of(topology.pids()) - cpu0 + cpu_of(pg_pids) - pg0
-        runs = topology.instance().get_runs_count()
+        cpu = cpu_of(pids) - cpu0 + cpu_of(pg_pids) - pg0
+        runs = instance.get_runs_count(dg.RunsFilter(job_name=load.job)) - runs0
     effects, distinct = load.effects(sandbox)
     return Outcome(n, seconds, cpu, runs, left, effects, distinct)
 
@@ -195,8 +321,6 @@ def _database(name: str) -> Iterator[str]:
 
 
 def main(n: int | None = None) -> int:
-    from devstack.topology import Topology  # the processes `make serve` runs
-
     n = n or int(os.environ.get("BENCH_SCALE_ENTITIES", "10000"))
     names = [p for p in os.environ.get("BENCH_SCALE_PIPELINES", ",".join(LOADS)).split(",") if p]
     timeout = float(os.environ.get("BENCH_SCALE_TIMEOUT_SECONDS", "3600"))
@@ -207,8 +331,11 @@ def main(n: int | None = None) -> int:
         session = uuid.uuid4().hex[:6]
         with _database(f"bench_scale_{name}_{session}") as url:
             settings = Settings(database_url=url, redrive_time_scale=0.01)
+            from orchestration.definitions import build_definitions
+
+            _DEFS.append(build_definitions(settings))
             pg_pids = _postgres_pids(url)
-            deployed = run_deployed(load, settings, n, f"{session}d", Topology.for_bench, pg_pids, timeout)
+            deployed = run_deployed(load, settings, n, f"{session}d", pg_pids, timeout)
             direct = run_direct(load, settings, n, f"{session}b", pg_pids)
         ratio = deployed.per_second / direct.per_second if direct.per_second else 0.0
         lost = deployed.open_left + direct.open_left

@@ -99,6 +99,8 @@ def missing_pieces(pipeline: Pipeline, settings: Settings) -> list[str]:
     table; its demo has `run_demo`; its commands import; and a dead letter of it can be replayed
     (`redrive dlq replay`): it is drained (a replay is its work row falling due) or has a replay target.
     """
+    import sqlalchemy as sa
+
     missing: list[str] = []
 
     def load(module: str, what: str) -> Any:

@@ -6,13 +6,14 @@ one ``httpx.TimeoutException``: the core's classifier names both, 003's vocabula
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from assets.conversion.settings import ConversionSettings
+if TYPE_CHECKING:  # the resource carries the pipeline's knobs as plain fields; it never imports the pipeline
+    from assets.conversion.settings import ConversionSettings
 
 
 class Gateway(Protocol):
@@ -88,9 +89,9 @@ class ConversionResource(ConfigurableResource):
         return cls(gateway_url=gateway_url, uploads_dir=str(settings.uploads_dir),
                    results_dir=str(settings.results_dir), **values)
 
-    def settings(self) -> ConversionSettings:
-        values = {k: getattr(self, k) for k in type(self).model_fields}
-        return ConversionSettings.model_validate({**values, "gateway_url": self.gateway_url})
+    def values(self) -> dict[str, object]:
+        """The knobs as configured, for `assets.conversion.settings.settings_of` to validate."""
+        return {**{k: getattr(self, k) for k in type(self).model_fields}, "gateway_url": self.gateway_url}
 
     def gateway(self, timeout_ms: float | None = None) -> HttpGateway:
         return HttpGateway(self.gateway_url, (timeout_ms or self.gateway_timeout_ms) / 1000)

@@ -13,7 +13,7 @@ import dagster as dg
 from assets.conversion import policy
 from assets.conversion import repository as repo
 from assets.conversion.pipeline import TAGS, conversion_breaker_probe_job, conversion_worker_job
-from assets.conversion.settings import BREAKER, PIPELINE
+from assets.conversion.settings import BREAKER, PIPELINE, settings_of
 from redrive import breaker
 from resources.conversion import ConversionResource
 from resources.reliability import ReliabilityResource
@@ -29,7 +29,7 @@ def conversion_worker_sensor(minimum_interval_seconds: int = 15) -> dg.SensorDef
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource,
                 conversion: ConversionResource):
         runtime = reliability.runtime()
-        settings = conversion.settings()
+        settings = settings_of(conversion)
         now = runtime.now()
         with runtime.engine.connect() as conn:
             due = repo.due_count(conn, now)

@@ -19,7 +19,7 @@ import dagster as dg
 
 from assets.conversion import repository as repo
 from assets.conversion.files import FileStore
-from assets.conversion.settings import BREAKER, PIPELINE
+from assets.conversion.settings import BREAKER, PIPELINE, settings_of
 from assets.conversion.worker import JsonLog, Shutdown, Worker
 from redrive.breaker import CircuitBreaker, Transition
 from redrive.stages import OP_RETRY_POLICY, sanitized_body
@@ -41,7 +41,7 @@ class WorkerRunConfig(dg.Config):
 def convert_due_jobs(context: dg.OpExecutionContext, config: WorkerRunConfig, reliability: ReliabilityResource,
                      conversion: ConversionResource) -> dict:
     """Claims and converts due PDF jobs until none is left to claim, under leases, fencing and the circuit breaker."""
-    settings = conversion.settings()
+    settings = settings_of(conversion)
     overrides = {"gateway_timeout_ms": config.gateway_timeout_ms, "worker_idle_sleep_sec": config.idle_sleep_sec}
     settings = settings.model_copy(update={k: v for k, v in overrides.items() if v is not None})
     worker_id = f"dagster:{context.run_id[:8]}"
@@ -74,7 +74,7 @@ def probe_gateway(context: dg.OpExecutionContext, reliability: ReliabilityResour
                   conversion: ConversionResource) -> None:
     """003 §3.3 health probe: closes the open circuit breaker once the PDF gateway answers /health again."""
     runtime = reliability.runtime()
-    settings = conversion.settings()
+    settings = settings_of(conversion)
     breaker = CircuitBreaker(runtime.engine, BREAKER, settings.breaker_policy(runtime.time_scale), runtime.clock)
     gateway = conversion.gateway()
     try:
@@ -100,7 +100,7 @@ def requeue_failed_job(context: dg.OpExecutionContext, config: ReplayConfig, rel
                        conversion: ConversionResource) -> None:
     """Replay of a dead-lettered conversion: the failed job goes back to `queued` with a fresh attempt budget."""
     runtime = reliability.runtime()
-    settings = conversion.settings()
+    settings = settings_of(conversion)
     files = FileStore(settings.uploads_dir, settings.results_dir)
     with runtime.engine.begin() as conn:
         job = repo.get(conn, config.job_id)

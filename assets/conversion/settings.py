@@ -6,6 +6,7 @@ Names are 003's own (``RETRY_MAX_ATTEMPTS``, ``WORKER_LEASE_TTL_SEC``, …); the
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -82,3 +83,8 @@ class ConversionSettings(BaseSettings):
     def gateway_base_url(self, core: Settings) -> str:
         """GATEWAY_URL, else the core's PDF gateway (PDF_GATEWAY_URL or the sandbox)."""
         return self.gateway_url or core.pdf_url or "http://127.0.0.1:9/pdf/v1"  # joined by resources.conversion.endpoint
+
+
+def settings_of(resource: Any) -> ConversionSettings:
+    """The knobs a `resources.conversion.ConversionResource` was configured with, validated."""
+    return ConversionSettings.model_validate(resource.values())

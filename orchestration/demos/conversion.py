@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 from assets.conversion import pipeline
 from assets.conversion import repository as repo
 from assets.conversion.api import BANNER, create_app
-from assets.conversion.settings import BREAKER, PIPELINE
+from assets.conversion.settings import BREAKER, PIPELINE, settings_of
 from redrive import breaker as breakers
 from redrive.schema import dead_letters
 
@@ -39,7 +39,7 @@ def _run(ctx):  # -> orchestration.demo.DemoReport
 
     report = DemoReport(PIPELINE)
     resource = ctx.defs.resources["conversion"]
-    settings = resource.settings()
+    settings = settings_of(resource)
     runtime = ctx.defs.resources["reliability"].runtime()
     api = TestClient(create_app(ctx.engine, settings), raise_server_exceptions=False)
     # a worker run that ends soon after the queue is drained, with a short gateway timeout for the timeout fault
@@ -156,7 +156,7 @@ def _state(ctx) -> breakers.BreakerState:
 
 def _tick_until_probe(ctx, runtime, resource, attempts: int = 20) -> int:
     """Tick the worker sensor as the daemon would until its probe run has closed the breaker."""
-    cooldown = resource.settings().breaker_policy(runtime.time_scale).cooldown
+    cooldown = settings_of(resource).breaker_policy(runtime.time_scale).cooldown
     probes = 0
     for _ in range(attempts):
         time.sleep(cooldown)  # the demo runs on the wall clock; the cooldown is scaled like every wait

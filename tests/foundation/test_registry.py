@@ -56,7 +56,12 @@ def upward_imports() -> list[str]:
     found = []
     for top, rank in RANK.items():
         for path in sorted((PROJECT_ROOT / top).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
+            tree = ast.parse(path.read_text())
+            type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                         and getattr(block.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(block)}
+            for node in ast.walk(tree):
+                if id(node) in type_only:  # `if TYPE_CHECKING:` imports never run
+                    continue
                 if isinstance(node, ast.Import):
                     names = [a.name for a in node.names]
                 elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
