@@ -280,6 +280,12 @@ class Slots:
         self._threads = [threading.Thread(target=self._run, name=f"{name}-slot-{i}", daemon=True)
                          for i in range(size)]
         self._started = False
+        self.busy = 0  # leases taken but not handed back; read by the main thread's orphan check
+        self._busy_lock = threading.Lock()
+
+    def idle(self) -> bool:
+        """No lease queued, none being worked on and nothing waiting to be collected."""
+        return self.busy == 0 and self._todo.empty() and self.finished.empty()
 
     def submit(self, leases: Sequence[repo.Lease]) -> None:
         if not self._started:
@@ -287,6 +293,8 @@ class Slots:
                 t.start()
             self._started = True
         for lease in leases:
+            with self._busy_lock:
+                self.busy += 1
             self._todo.put(lease)
 
     def close(self) -> None:
@@ -302,7 +310,11 @@ class Slots:
             lease = self._todo.get()
             if lease is None:
                 return
-            self.finished.put(self._attempt(lease))
+            try:
+                self.finished.put(self._attempt(lease))
+            finally:
+                with self._busy_lock:
+                    self.busy -= 1
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -372,8 +384,8 @@ class Worker:
         self.slots = Slots(self.settings.worker_concurrency, self._attempt, self.worker_id)
         self.hot = repo.HotPath(self.engine, BREAKER)
         self.health = Health()
-        self.in_flight: dict[str, repo.Lease] = {}
-        self.abandoned: set[str] = set()
+        self.in_flight: dict[tuple[str, int], repo.Lease] = {}
+        self.abandoned: set[tuple[str, int]] = set()
         self._unwritten: list[Attempt] = []
         self._last_reclaim: float | None = None
         self._held_logged = False
@@ -441,7 +453,7 @@ class Worker:
         finished = self._unwritten + self._collect(block=False)
         free = self.settings.worker_concurrency - len(self.in_flight) + len(finished)
         want = max(0, min(free, limit if limit is not None else free)) if claim else 0
-        self._unwritten = finished
+        self._unwritten = list(finished)  # a copy: _write removes what it wrote from the retry list
         claimed = self._write(finished, want)
         self._unwritten = []
         if claimed:
@@ -473,7 +485,7 @@ class Worker:
 
     def _start(self, leases: Sequence[repo.Lease]) -> None:
         for lease in leases:
-            self.in_flight[lease.job_id] = lease
+            self.in_flight[(lease.job_id, lease.epoch)] = lease
             self.report.claimed += 1
             self.log("job_claimed", job_id=lease.job_id, status="processing", attempt=lease.attempt,
                      epoch=lease.epoch)
@@ -491,6 +503,9 @@ class Worker:
                         out.append(self.slots.finished.get(timeout=0.5))
                         break
                     except queue.Empty:
+                        if self.slots.idle() and self.in_flight:
+                            self._orphaned()
+                            return out
                         if self._reclaim_due():
                             return out  # let the loop reclaim and sweep while long jobs run
         while True:
@@ -500,13 +515,21 @@ class Worker:
                 break
         kept = []
         for attempt in out:
-            if attempt.lease.job_id in self.abandoned:  # requeued at shutdown meanwhile
-                self.abandoned.discard(attempt.lease.job_id)
+            key = (attempt.lease.job_id, attempt.lease.epoch)
+            if key in self.abandoned:  # requeued at shutdown meanwhile
+                self.abandoned.discard(key)
                 if attempt.staged is not None:
                     self.files.discard(attempt.staged)
                 continue
             kept.append(attempt)
         return kept
+
+    def _orphaned(self) -> None:
+        """Leases no slot will ever hand back (a bug if it happens): forget them; their leases expire and are reclaimed."""
+        for key, lease in list(self.in_flight.items()):
+            self.log("lease_orphaned", job_id=lease.job_id, epoch=lease.epoch, level=logging.ERROR)
+            self.keeper.release([lease.job_id])
+            del self.in_flight[key]
 
     # -- database outages (issue 13 item 13) ------------------------------------------------------------
 
@@ -710,7 +733,7 @@ class Worker:
 
     def process(self, lease: repo.Lease) -> Outcome:
         """One claimed job start to finish in the calling thread (tests): attempt, then the turn's write."""
-        self.in_flight[lease.job_id] = lease
+        self.in_flight[(lease.job_id, lease.epoch)] = lease
         return self._write_one(self._attempt(lease))
 
     def _write_one(self, attempt: Attempt) -> Outcome:
@@ -736,7 +759,7 @@ class Worker:
                 successes.append(attempt)
             else:
                 outcomes[attempt.lease.job_id] = self._failed(attempt)
-                self.in_flight.pop(attempt.lease.job_id, None)
+                self.in_flight.pop((attempt.lease.job_id, attempt.lease.epoch), None)
                 if attempt in self._unwritten:  # written: a retried turn must not write it again
                     self._unwritten.remove(attempt)
         if self.shutdown.requested:
@@ -764,7 +787,7 @@ class Worker:
                 ours = repo.completed_before(conn, [a.lease for a in refused])
         for attempt in successes:
             lease = attempt.lease
-            self.in_flight.pop(lease.job_id, None)
+            self.in_flight.pop((lease.job_id, lease.epoch), None)
             if lease.job_id in cycle.completed or (refused and lease.job_id in ours):
                 outcomes[lease.job_id] = "succeeded"
                 self.report.succeeded += 1
@@ -791,7 +814,7 @@ class Worker:
     def _complete(self, lease: repo.Lease, xml: bytes, duration_ms: float, call_ms: float | None) -> Outcome:
         """A finished conversion's write on its own (tests): stage, then the same turn write as the loop's."""
         staged = self.files.stage_result(lease.job_id, lease.epoch, xml)
-        self.in_flight[lease.job_id] = lease
+        self.in_flight[(lease.job_id, lease.epoch)] = lease
         return self._write_one(Attempt(lease, staged, len(xml), None, call_ms, duration_ms))
 
     def _failed(self, attempt: Attempt) -> Outcome:
@@ -857,9 +880,9 @@ class Worker:
                 self._write(finished, 0)
         except Exception:  # noqa: BLE001 - the database may be the reason; their leases expire and are reclaimed
             self.log("final_write_error", in_flight=len(self.in_flight), level=logging.ERROR)
-        for job_id, lease in sorted(self.in_flight.items()):
+        for (job_id, epoch), lease in sorted(self.in_flight.items()):
             self.keeper.release([job_id])
-            self.abandoned.add(job_id)
+            self.abandoned.add((job_id, epoch))
             try:
                 self.requeue(lease, reason)
             except Exception:  # noqa: BLE001 - the lease expires and the reclaim takes it over
