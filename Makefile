@@ -42,6 +42,7 @@ validate: install
 	@$(PY) -m devstack run --purpose validate -- $(VENV)/bin/dagster definitions validate -w workspace.yaml
 
 bench: install
+	@$(PY) -m pip install --quiet -e ".[bench]"
 	@$(PY) -m bench
 
 clean:

@@ -1,18 +1,27 @@
-"""Conversion claim-and-complete throughput: the worker with 1, 2 and 4 processes against pgbench's ceiling.
+"""Conversion worker throughput side by side with procrastinate, pgqueuer and pgbench's minimal ceiling (issue 14).
 
     python -m bench conversion                                   # under the bench stack (make bench runs all)
     BENCH_CONVERSION_JOBS=500 python -m bench.conversion         # smaller, standalone
 
-The gateway answers at once (an in-process instant converter), so what is measured is the worker's
-whole per-job path: breaker check, the SKIP LOCKED claim, reading the source, recording the call in
-the breaker's window, staging the XML, the fenced completion and the atomic publish. The baseline,
-in the same session on the same database and the same rows, is pgbench running the *very same*
-claim and complete SQL (`repository.CLAIM_SQL`, `repository.COMPLETE_SQL`) with as many clients —
-the ceiling for this schema and server. The ratio is how much of that ceiling the worker keeps.
+Needs the ``bench`` extra (``pip install -e ".[bench]"``: procrastinate, pgqueuer, asyncpg, psycopg).
+Every contender burns down the same number of jobs on the same embedded server, in the same database,
+interleaved round by round (medians of BENCH_CONVERSION_ROUNDS, so a shared machine's noise hits all alike):
+
+- **redrive**: the conversion worker as ``n`` processes with WORKER_CONCURRENCY jobs in flight each and a
+  gateway that answers at once. It still does its whole per-job path: the fenced lease, reading the
+  source, the breaker's call record, the XML staged and fsynced, the fenced completion, the atomic publish.
+- **procrastinate** 3.x: ``n`` worker processes (its default concurrency 1), a no-op async task.
+- **pgqueuer** 1.x: ``n`` QueueManager processes, default batch size (10), drain mode, a no-op entrypoint.
+- **pgbench minimal**: ``n`` clients running the least a SKIP LOCKED queue can do per job (claim one row,
+  mark it done, each its own transaction) on a two-column table: the ceiling for this server.
+
+The 200 ms case puts a delaying HTTP server in front of both: one redrive process with
+WORKER_CONCURRENCY=32 against pgqueuer in one async process holding 32 jobs at most in flight.
 """
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import re
@@ -21,8 +30,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +47,20 @@ from bench._support import scratch_database
 from redrive.db import engine_for
 
 BENCH_DB = "redrive_bench_conversion"
-JOBS = int(os.environ.get("BENCH_CONVERSION_JOBS", "2000"))
+JOBS = int(os.environ.get("BENCH_CONVERSION_JOBS", "1000"))
+GATEWAY_JOBS = int(os.environ.get("BENCH_CONVERSION_GATEWAY_JOBS", "640"))
 WORKERS = tuple(int(w) for w in os.environ.get("BENCH_CONVERSION_WORKERS", "1,2,4").split(","))
-ROUNDS = int(os.environ.get("BENCH_CONVERSION_ROUNDS", "3"))  # interleaved; medians damp a shared machine's noise
+ROUNDS = int(os.environ.get("BENCH_CONVERSION_ROUNDS", "3"))
+CONCURRENCY = int(os.environ.get("BENCH_CONVERSION_CONCURRENCY", "8"))  # redrive's WORKER_CONCURRENCY, no-op case
+GATEWAY_DELAY = 0.2
+GATEWAY_IN_FLIGHT = 32
 XML = b'<document sha256="bench" bytes="0"><page n="1">instant</page></document>'
 PDF = b"%PDF-1.4\n4 0 obj << /Length 20 >> stream\nBT (bench) Tj ET\nendstream endobj\n%%EOF\n"
+CONTENDERS = ("redrive", "procrastinate", "pgqueuer", "pgbench")
 
 
 class InstantGateway:
-    """A converter that answers at once: the benchmark measures our path, not a converter's."""
+    """A converter that answers at once: the benchmark measures the queue's path, not a converter's."""
 
     def convert(self, pdf: bytes) -> bytes:
         return XML
@@ -55,144 +72,356 @@ class InstantGateway:
         pass
 
 
-def _child(url: str, uploads: str, results: str, name: str, ready: Any, go: Any, done: Any) -> None:
+class DelayingGateway:
+    """A tiny local HTTP converter that answers after ``delay`` seconds (keep-alive, one thread per request)."""
+
+    def __init__(self, delay: float) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                time.sleep(delay)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(XML)))
+                self.end_headers()
+                self.wfile.write(XML)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.server.request_queue_size = 128
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# ------------------------------------------------------------------------------------------- connection
+
+
+def _parts(url: str) -> dict[str, Any]:
+    parsed = sa.engine.make_url(url)
+    return {"host": parsed.query.get("host") or parsed.host or "localhost", "port": parsed.port or 5432,
+            "user": parsed.username or "postgres", "password": parsed.password, "database": parsed.database}
+
+
+def _conninfo(url: str) -> str:
+    p = _parts(url)
+    info = f"host={p['host']} port={p['port']} dbname={p['database']} user={p['user']}"
+    return info + (f" password={p['password']}" if p["password"] else "")
+
+
+# ---------------------------------------------------------------------------------------------- redrive
+
+
+def _redrive_child(url: str, uploads: str, results: str, name: str, concurrency: int, gateway_url: str | None,
+                   ready: Any, go: Any) -> None:
     import logging
 
     from assets.conversion.worker import JsonLog, Shutdown, Worker
     from redrive.reliability import Reliability
+    from resources.conversion import HttpGateway
 
-    logging.getLogger("redrive.conversion.worker").setLevel(logging.ERROR)  # one JSON line per job is the log, not the load
-    settings = ConversionSettings(uploads_dir=Path(uploads), results_dir=Path(results), worker_idle_sleep_sec=0.02)
-    worker = Worker(Reliability(engine_for(url)), InstantGateway(), FileStore(Path(uploads), Path(results)), settings,
+    logging.getLogger("redrive.conversion.worker").setLevel(logging.ERROR)  # the log is not the load
+    settings = ConversionSettings(uploads_dir=Path(uploads), results_dir=Path(results), worker_idle_sleep_sec=0.02,
+                                  worker_concurrency=concurrency)
+    gateway = HttpGateway(gateway_url, 10.0) if gateway_url else InstantGateway()
+    worker = Worker(Reliability(engine_for(url)), gateway, FileStore(Path(uploads), Path(results)), settings,
                     worker_id=name, shutdown=Shutdown(0), log=JsonLog(name))
     worker.engine.connect().close()  # warm the pool before the clock starts
     ready.release()
     go.wait()
-    report = worker.run(until_idle=0.3)
-    done.put(report.as_dict())
+    worker.run(until_idle=0.3)
 
 
-def _reset(engine: sa.Engine, results: Path) -> None:
-    with engine.begin() as conn:
-        conn.execute(sa.text("TRUNCATE conversion_job_events, circuit_breaker_calls"))
-        conn.execute(sa.text("DELETE FROM circuit_breakers"))
-        conn.execute(sa.text(
-            "UPDATE conversion_jobs SET status = 'queued', attempt_count = 0, lease_epoch = 0, leased_by = NULL, "
-            "lease_expires_at = NULL, result_location = NULL, completed_at = NULL, started_at = NULL, "
-            "last_attempt_at = NULL, retry_after = NULL"))
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(sa.text("VACUUM ANALYZE conversion_jobs"))
-        conn.execute(sa.text("VACUUM ANALYZE conversion_job_events"))
-    for p in results.iterdir():
-        p.unlink()
+def redrive_rate(ctx: Bench, n: int, *, concurrency: int = CONCURRENCY, gateway_url: str | None = None,
+                 jobs: int = JOBS) -> float:
+    ctx.reset_redrive(jobs)
+    return ctx.timed(n, _redrive_child, lambda i: (ctx.url, str(ctx.files.uploads), str(ctx.files.results),
+                                                   f"bench-{i}", concurrency, gateway_url),
+                     "SELECT count(*) FROM conversion_jobs WHERE status = 'succeeded'", jobs)
 
 
-def _succeeded(engine: sa.Engine) -> int:
-    with engine.connect() as conn:
-        return int(conn.execute(sa.text("SELECT count(*) FROM conversion_jobs WHERE status = 'succeeded'")).scalar())
+# ---------------------------------------------------------------------------------------- procrastinate
 
 
-def worker_rate(url: str, engine: sa.Engine, uploads: Path, results: Path, n: int) -> float:
-    """Jobs per second with ``n`` worker processes, from the start signal to the last completion."""
-    _reset(engine, results)
-    ctx = mp.get_context("spawn")
-    ready, go, done = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(url, str(uploads), str(results), f"bench-{i}", ready, go, done))
-             for i in range(n)]
-    for p in procs:
-        p.start()
-    for _ in procs:
-        ready.acquire()
-    started = time.perf_counter()
-    go.set()
-    while _succeeded(engine) < JOBS:
-        time.sleep(0.02)
-    elapsed = time.perf_counter() - started
-    reports = [done.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-    assert sum(r["succeeded"] for r in reports) == JOBS, reports
-    assert sorted(p.name for p in results.iterdir()) == sorted(f"{i}.xml" for i in _ids(engine))
-    return JOBS / elapsed
+def _procrastinate_app(conninfo: str) -> Any:
+    import procrastinate
+
+    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=conninfo))
+
+    @app.task(name="noop", queue="bench")
+    async def noop() -> None:
+        return None
+
+    return app
 
 
-def _ids(engine: sa.Engine) -> list[str]:
-    with engine.connect() as conn:
-        return [str(i) for i in conn.execute(sa.text("SELECT id FROM conversion_jobs")).scalars()]
+def _procrastinate_child(conninfo: str, ready: Any, go: Any) -> None:
+    app = _procrastinate_app(conninfo)
+
+    async def main() -> None:
+        async with app.open_async():
+            ready.release()
+            await asyncio.get_running_loop().run_in_executor(None, go.wait)
+            await app.run_worker_async(queues=["bench"], wait=False, concurrency=1, install_signal_handlers=False)
+
+    asyncio.run(main())
 
 
-def pgbench_script() -> str:
-    """The repository's claim and complete statements, as pgbench runs them (bind values → SQL; ids via \\gset)."""
-    def as_pgbench(sql: str) -> str:
-        return (sql.replace(":lease_expires_at", "now() + interval '90 seconds'").replace(":now", "now()")
-                .replace(":worker", "'pgbench'").replace(":result_location", "'pgbench.xml'")
-                .replace(":meta", "'{}'").replace(":breaker", "'pdf-gateway'"))
+def procrastinate_rate(ctx: Bench, n: int) -> float:
+    app = _procrastinate_app(_conninfo(ctx.url))
 
-    return f"{as_pgbench(repo.CLAIM_SQL)} \\gset\n{as_pgbench(repo.COMPLETE_SQL)};\n"
+    async def enqueue() -> None:
+        async with app.open_async():
+            await app.tasks["noop"].batch_defer_async(*[{} for _ in range(JOBS)])
+
+    ctx.sql("TRUNCATE procrastinate_jobs, procrastinate_events CASCADE")
+    asyncio.run(enqueue())
+    ctx.vacuum("procrastinate_jobs")
+    return ctx.timed(n, _procrastinate_child, lambda i: (_conninfo(ctx.url),),
+                     "SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'", JOBS)
+
+
+# --------------------------------------------------------------------------------------------- pgqueuer
+
+
+def _pgqueuer_child(parts: dict[str, Any], gateway_url: str | None, max_tasks: int | None, ready: Any,
+                    go: Any) -> None:
+    async def main() -> None:
+        import asyncpg
+        import httpx
+        from pgqueuer import AsyncpgDriver, Queries, QueueManager
+        from pgqueuer.types import QueueExecutionMode
+
+        conn = await asyncpg.connect(**parts)
+        qm = QueueManager(Queries(AsyncpgDriver(conn)))
+        client = httpx.AsyncClient(timeout=10.0, limits=httpx.Limits(max_connections=64)) if gateway_url else None
+
+        @qm.entrypoint("noop")
+        async def noop(job: Any) -> None:
+            if client is not None:
+                (await client.post(f"{gateway_url}/convert", content=PDF)).raise_for_status()
+
+        ready.release()
+        await asyncio.get_running_loop().run_in_executor(None, go.wait)
+        await qm.run(mode=QueueExecutionMode.drain, max_concurrent_tasks=max_tasks)  # default batch_size (10)
+        await conn.close()
+
+    asyncio.run(main())
+
+
+def _pgqueuer(url: str, action: Callable[[Any], Any]) -> Any:
+    async def main() -> Any:
+        import asyncpg
+        from pgqueuer import AsyncpgDriver, Queries
+
+        conn = await asyncpg.connect(**_parts(url))
+        try:
+            return await action(Queries(AsyncpgDriver(conn)))
+        finally:
+            await conn.close()
+
+    return asyncio.run(main())
+
+
+def pgqueuer_rate(ctx: Bench, n: int, *, gateway_url: str | None = None, max_tasks: int | None = None,
+                  jobs: int = JOBS) -> float:
+    async def refill(q: Any) -> None:
+        await q.clear_queue()
+        await q.clear_queue_log()
+        await q.clear_statistics_log()
+        await q.enqueue(["noop"] * jobs, [None] * jobs, [0] * jobs)
+
+    _pgqueuer(ctx.url, refill)
+    ctx.vacuum("pgqueuer")
+    # pgqueuer deletes a job once done: the count left in its table is what is still to do
+    return ctx.timed(n, _pgqueuer_child, lambda i: (_parts(ctx.url), gateway_url, max_tasks),
+                     f"SELECT {jobs} - count(*) FROM pgqueuer", jobs)
+
+
+# ---------------------------------------------------------------------------------------------- pgbench
+
+MINIMAL_SCRIPT = """\
+WITH c AS (SELECT id FROM bench_minimal WHERE status = 'queued' ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)
+UPDATE bench_minimal AS j SET status = 'processing' FROM c WHERE j.id = c.id RETURNING j.id AS job_id \\gset
+UPDATE bench_minimal SET status = 'done' WHERE id = :job_id;
+"""
 
 
 def _pgbench_binary() -> str:
-    embedded = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / \
-        "site-packages" / "pgserver" / "pginstall" / "bin" / "pgbench"
+    import pgserver
+
+    embedded = Path(pgserver.__file__).parent / "pginstall" / "bin" / "pgbench"
     found = str(embedded) if embedded.exists() else shutil.which("pgbench")
     if not found:
         raise SystemExit("pgbench not found (the embedded server ships one; Debian: postgresql-client)")
     return found
 
 
-def pgbench_rate(url: str, engine: sa.Engine, results: Path, n: int, script: Path) -> float:
-    """Claim+complete transactions per second from pgbench with ``n`` clients over the same rows."""
-    _reset(engine, results)
-    parsed = sa.engine.make_url(url)
-    host = parsed.query.get("host") or parsed.host or "localhost"
-    args = [_pgbench_binary(), "-n", "-M", "extended", "-c", str(n), "-j", str(n), "-t", str(JOBS // n),
-            "-f", str(script), "-h", str(host), "-U", parsed.username or "postgres"]
-    if parsed.port:
-        args += ["-p", str(parsed.port)]
-    env = {**os.environ, **({"PGPASSWORD": parsed.password} if parsed.password else {})}
-    out = subprocess.run([*args, parsed.database or ""], capture_output=True, text=True, env=env, check=False)
+def pgbench_rate(ctx: Bench, n: int) -> float:
+    """Claim + complete per job, each its own transaction, ``n`` clients: the least a SKIP LOCKED queue does."""
+    ctx.sql("UPDATE bench_minimal SET status = 'queued'")
+    ctx.vacuum("bench_minimal")
+    p = _parts(ctx.url)
+    args = [_pgbench_binary(), "-n", "-M", "prepared", "-c", str(n), "-j", str(n), "-t", str(JOBS // n),
+            "-f", str(ctx.script), "-h", str(p["host"]), "-p", str(p["port"]), "-U", p["user"], p["database"]]
+    env = {**os.environ, **({"PGPASSWORD": p["password"]} if p["password"] else {})}
+    out = subprocess.run(args, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
         raise SystemExit(f"pgbench failed: {out.stderr.strip().splitlines()[-1:]}")
     tps = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", out.stdout)
     assert tps, out.stdout
-    assert _succeeded(engine) == (JOBS // n) * n
+    assert ctx.count("SELECT count(*) FROM bench_minimal WHERE status = 'done'") == (JOBS // n) * n
     return float(tps.group(1))
 
 
-def run(url: str) -> list[tuple[int, float, float]]:
-    engine = engine_for(url)
-    folder = Path(tempfile.mkdtemp(prefix="bench-conversion-"))
-    files = FileStore(folder / "uploads", folder / "results")
-    rows = []
-    for i in range(JOBS):
-        job_id = str(uuid.uuid4())
-        rows.append({"id": job_id, "owner": "bench", "filename": f"{i}.pdf",
-                     "source_location": files.save_source(job_id, PDF), "source_bytes": len(PDF),
-                     "source_sha256": "bench"})
-    with engine.begin() as conn:
-        conn.execute(sa.insert(repo.conversion_jobs), rows)
-    script = folder / "claim_complete.sql"
-    script.write_text(pgbench_script())
-    samples: dict[int, tuple[list[float], list[float]]] = {n: ([], []) for n in WORKERS}
+# ------------------------------------------------------------------------------------------------ bench
+
+
+class Bench:
+    """One scratch database holding every contender's tables, and the helpers the rounds share."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = engine_for(url)
+        self.folder = Path(tempfile.mkdtemp(prefix="bench-conversion-"))
+        self.files = FileStore(self.folder / "uploads", self.folder / "results")
+        self.script = self.folder / "minimal.sql"
+        self.script.write_text(MINIMAL_SCRIPT)
+        rows = []
+        for i in range(max(JOBS, GATEWAY_JOBS)):
+            job_id = str(uuid.uuid4())
+            rows.append({"id": job_id, "owner": "bench", "filename": f"{i}.pdf",
+                         "source_location": self.files.save_source(job_id, PDF), "source_bytes": len(PDF),
+                         "source_sha256": "bench"})
+        with self.engine.begin() as conn:
+            conn.execute(sa.insert(repo.conversion_jobs), rows)
+            conn.execute(sa.text("CREATE TABLE bench_minimal (id bigserial PRIMARY KEY, status text NOT NULL)"))
+            conn.execute(sa.text("CREATE INDEX ON bench_minimal (id) WHERE status = 'queued'"))
+            conn.execute(sa.text("INSERT INTO bench_minimal (status) SELECT 'queued' FROM generate_series(1, :n)"),
+                         {"n": JOBS})
+        asyncio.run(self._procrastinate_schema())
+        _pgqueuer(url, lambda q: q.install())
+
+    async def _procrastinate_schema(self) -> None:
+        app = _procrastinate_app(_conninfo(self.url))
+        async with app.open_async():
+            await app.schema_manager.apply_schema_async()
+
+    def sql(self, statement: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(sa.text(statement))
+
+    def count(self, query: str) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(sa.text(query)).scalar())
+
+    def vacuum(self, *tables: str) -> None:
+        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            for table in tables:
+                conn.execute(sa.text(f"VACUUM ANALYZE {table}"))
+
+    def reset_redrive(self, jobs: int) -> None:
+        """``jobs`` rows queued again (the rest parked as succeeded), no events, a closed breaker, no results."""
+        self.sql("TRUNCATE conversion_job_events, circuit_breaker_calls")
+        self.sql("DELETE FROM circuit_breakers")
+        with self.engine.begin() as conn:
+            conn.execute(sa.text(
+                "UPDATE conversion_jobs SET status = 'succeeded', result_location = 'parked.xml', attempt_count = 0, "
+                "lease_epoch = 0, leased_by = NULL, lease_expires_at = NULL, completed_at = NULL, started_at = NULL, "
+                "last_attempt_at = NULL, retry_after = NULL"))
+            conn.execute(sa.text(
+                "UPDATE conversion_jobs SET status = 'queued', result_location = NULL WHERE id IN "
+                "(SELECT id FROM conversion_jobs ORDER BY id LIMIT :n)"), {"n": jobs})
+            conn.execute(sa.text("UPDATE conversion_jobs SET created_at = queued_at"))
+        self.vacuum("conversion_jobs", "conversion_job_events")
+        for p in self.files.results.iterdir():
+            p.unlink()
+        self._parked = self.count("SELECT count(*) FROM conversion_jobs") - jobs
+
+    def timed(self, n: int, target: Callable[..., None], args: Callable[[int], tuple], done_query: str,
+              jobs: int) -> float:
+        """Start ``n`` processes, wait until each is ready, release them at once; jobs/s until ``done_query``
+        counts ``jobs`` (for redrive, the parked rows are subtracted)."""
+        ctx = mp.get_context("spawn")
+        ready, go = ctx.Semaphore(0), ctx.Event()
+        procs = [ctx.Process(target=target, args=(*args(i), ready, go)) for i in range(n)]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            if not ready.acquire(timeout=120):
+                raise SystemExit("a benchmark process did not start")
+        offset = self._parked if "conversion_jobs" in done_query else 0
+        started = time.perf_counter()
+        go.set()
+        while self.count(done_query) - offset < jobs:
+            if not any(p.is_alive() for p in procs):
+                if self.count(done_query) - offset < jobs:
+                    raise SystemExit(f"{target.__name__}: processes ended with jobs left")
+            time.sleep(0.01)
+        elapsed = time.perf_counter() - started
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        return jobs / elapsed
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def run(url: str) -> tuple[dict[int, dict[str, float]], dict[str, float]]:
+    ctx = Bench(url)
+    noop: dict[int, dict[str, list[float]]] = {n: {c: [] for c in CONTENDERS} for n in WORKERS}
+    slow: dict[str, list[float]] = {"redrive": [], "pgqueuer": []}
+    gateway = DelayingGateway(GATEWAY_DELAY)
     try:
-        for _ in range(ROUNDS):
+        for r in range(ROUNDS):
             for n in WORKERS:
-                samples[n][0].append(worker_rate(url, engine, files.uploads, files.results, n))
-                samples[n][1].append(pgbench_rate(url, engine, files.results, n, script))
-        figures = [(n, statistics.median(ours), statistics.median(ceiling)) for n, (ours, ceiling) in samples.items()]
+                noop[n]["redrive"].append(redrive_rate(ctx, n))
+                noop[n]["procrastinate"].append(procrastinate_rate(ctx, n))
+                noop[n]["pgqueuer"].append(pgqueuer_rate(ctx, n))
+                noop[n]["pgbench"].append(pgbench_rate(ctx, n))
+                print(f"  round {r + 1}, {n} worker(s): " + ", ".join(f"{c} {noop[n][c][-1]:.0f}" for c in CONTENDERS),
+                      flush=True)
+            slow["redrive"].append(redrive_rate(ctx, 1, concurrency=GATEWAY_IN_FLIGHT, gateway_url=gateway.url,
+                                                jobs=GATEWAY_JOBS))
+            slow["pgqueuer"].append(pgqueuer_rate(ctx, 1, gateway_url=gateway.url, max_tasks=GATEWAY_IN_FLIGHT,
+                                                  jobs=GATEWAY_JOBS))
+            print(f"  round {r + 1}, 200 ms gateway: redrive {slow['redrive'][-1]:.0f}, "
+                  f"pgqueuer {slow['pgqueuer'][-1]:.0f}", flush=True)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    return figures
+        gateway.close()
+        ctx.close()
+    return ({n: {c: statistics.median(v) for c, v in by.items()} for n, by in noop.items()},
+            {c: statistics.median(v) for c, v in slow.items()})
 
 
 def main() -> int:
     with scratch_database(BENCH_DB) as url:
-        figures = run(url)
-    print(f"conversion: claim-and-complete throughput, {JOBS} jobs, instant gateway, median of {ROUNDS} rounds "
-          f"(baseline: pgbench running the same claim + complete SQL on the same database)")
-    print(f"  {'workers':>7}  {'worker jobs/s':>13}  {'pgbench jobs/s':>14}  {'ratio':>6}")
-    for n, ours, ceiling in figures:
-        print(f"  {n:>7}  {ours:>13.0f}  {ceiling:>14.0f}  {ours / ceiling:>6.2f}")
+        noop, slow = run(url)
+    print(f"conversion: jobs/s, median of {ROUNDS} interleaved rounds on one embedded PostgreSQL")
+    print(f"no-op gateway, {JOBS} jobs; redrive WORKER_CONCURRENCY={CONCURRENCY}; procrastinate concurrency 1; "
+          "pgqueuer batch 10; pgbench minimal claim + complete")
+    print(f"  {'workers':>7}  {'redrive':>8}  {'procrast.':>9}  {'pgqueuer':>8}  {'pgbench':>8}  "
+          f"{'r/procr.':>8}  {'r/pgq':>6}  {'r/pgbench':>9}")
+    for n, m in noop.items():
+        print(f"  {n:>7}  {m['redrive']:>8.0f}  {m['procrastinate']:>9.0f}  {m['pgqueuer']:>8.0f}  {m['pgbench']:>8.0f}  "
+              f"{m['redrive'] / m['procrastinate']:>8.2f}  {m['redrive'] / m['pgqueuer']:>6.2f}  "
+              f"{m['redrive'] / m['pgbench']:>9.2f}")
+    print(f"{GATEWAY_DELAY * 1000:.0f} ms gateway, {GATEWAY_JOBS} jobs, one process, {GATEWAY_IN_FLIGHT} in flight: "
+          f"redrive {slow['redrive']:.0f}, pgqueuer {slow['pgqueuer']:.0f}, ratio {slow['redrive'] / slow['pgqueuer']:.2f} "
+          f"(target >= {0.8 * GATEWAY_IN_FLIGHT / GATEWAY_DELAY:.0f})")
     return 0
 
 

@@ -225,6 +225,18 @@ def record_call(conn: sa.Connection, name: str, ok: bool, duration_ms: float | N
     return Transition(name, OPEN, at, row.open_count, failure_rate=failure_rate(outcomes))
 
 
+OK_CALLS_CTE = ("INSERT INTO circuit_breaker_calls (breaker, ok, duration_ms, at) "
+                "SELECT {breaker}, true, ms, {at} FROM unnest({durations}) AS c(ms) RETURNING id")
+"""Healthy calls appended in bulk, as a CTE a caller folds into its own write (a success never opens a
+breaker, so no window read is needed); the caller calls :func:`prune_if_due` with the ids it got back."""
+
+
+def prune_if_due(conn: sa.Connection, name: str, first_id: int, last_id: int) -> None:
+    """Keep the window table bounded when ids ``first_id..last_id`` crossed a pruning mark."""
+    if last_id // _PRUNE_EVERY > (first_id - 1) // _PRUNE_EVERY:
+        _prune(conn, name)
+
+
 def claim_probe(conn: sa.Connection, name: str, now: datetime, policy: BreakerPolicy) -> bool:
     """Win the right to probe an open breaker whose cooldown passed; one winner per cooldown, across processes."""
     due_before = now - timedelta(seconds=policy.cooldown)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _ID = re.compile(r"^[0-9a-f-]{36}$")
+_STAGED = re.compile(r"^\.([0-9a-f-]{36})\.xml\.e([0-9]+)\.[0-9]+\.tmp$")  # see stage_result
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -91,6 +92,30 @@ class FileStore:
     def publish(self, staged: Staged) -> None:
         os.replace(staged.tmp, staged.final)
         _fsync_dir(staged.final.parent)
+
+    def publish_all(self, staged: list[Staged]) -> None:
+        """Publish a turn's results with one directory fsync; each rename stays atomic on its own.
+
+        A result already published by the same lease (a turn retried after its COMMIT was lost in
+        transit) is left as it is.
+        """
+        for item in staged:
+            try:
+                os.replace(item.tmp, item.final)
+            except FileNotFoundError:
+                if not item.final.exists():
+                    raise
+        if staged:
+            _fsync_dir(self.results)
+
+    def staged_files(self) -> list[tuple[Path, str, int]]:
+        """Staged results on disk as (path, job id, lease epoch): what a killed worker may have left."""
+        found = []
+        for path in self.results.glob(".*.xml.e*.tmp"):
+            match = _STAGED.match(path.name)
+            if match:
+                found.append((path, match.group(1), int(match.group(2))))
+        return found
 
     def discard(self, staged: Staged) -> None:
         staged.tmp.unlink(missing_ok=True)

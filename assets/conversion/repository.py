@@ -264,6 +264,213 @@ WITH done AS (
 SELECT id FROM done"""
 
 
+# ------------------------------------------------------------------ worker: the hot path (issue 14)
+
+# One statement per worker turn, PREPAREd once per held connection: complete every finished job of
+# this turn (fenced, as COMPLETE_SQL), log their `complete` events, append their gateway calls to the
+# breaker's window (a success never opens a breaker, so no window read is needed) and claim up to $8
+# due jobs for the slots that just freed (as CLAIM_SQL). The worker publishes the completed results
+# between this statement and COMMIT, while the row locks keep a reclaim away. Arrays are sorted by id
+# so two multi-row writers always lock in the same order.
+CYCLE_NAME = "redrive_conversion_cycle"
+CYCLE_SQL = f"""\
+PREPARE {CYCLE_NAME} (uuid[], bigint[], text[], jsonb[], float8[], timestamptz, text, int, text, timestamptz) AS
+WITH done AS (
+    UPDATE conversion_jobs AS j
+    SET status = 'succeeded', result_location = d.location, completed_at = $6, updated_at = $6,
+        leased_by = NULL, lease_expires_at = NULL, retry_after = NULL,
+        error_code = NULL, error_message = NULL, dead_letter = false
+    FROM unnest($1, $2, $3, $4) AS d(id, epoch, location, meta)
+    WHERE j.id = d.id AND j.lease_epoch = d.epoch AND j.status = 'processing'
+    RETURNING j.id, j.attempt_count, d.meta
+), done_logged AS (
+    INSERT INTO conversion_job_events (job_id, event, attempt, at, meta)
+    SELECT id, 'complete', attempt_count, $6, meta FROM done
+), calls AS (
+    {{calls}}
+), candidate AS (
+    SELECT id FROM conversion_jobs
+    WHERE status = 'queued' AND (retry_after IS NULL OR retry_after <= $6)
+      AND NOT EXISTS (SELECT 1 FROM circuit_breakers WHERE name = $7 AND state = 'open')
+    ORDER BY created_at, id
+    LIMIT $8
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE conversion_jobs AS j
+    SET status = 'processing', leased_by = $9, lease_expires_at = $10,
+        lease_epoch = j.lease_epoch + 1, started_at = COALESCE(j.started_at, $6),
+        attempt_count = j.attempt_count + 1, last_attempt_at = $6, updated_at = $6
+    FROM candidate
+    WHERE j.id = candidate.id
+    RETURNING j.id, j.lease_epoch AS epoch, j.attempt_count AS attempt, j.source_location, j.owner
+), claim_logged AS (
+    INSERT INTO conversion_job_events (job_id, event, attempt, at, meta)
+    SELECT id, 'processing', attempt, $6, jsonb_build_object('worker', $9, 'epoch', epoch)
+    FROM claimed
+)
+SELECT 'done' AS kind, CAST(id AS text) AS id, NULL::bigint AS epoch, NULL::int AS attempt,
+       NULL::text AS source_location, NULL::text AS owner, NULL::bool AS has_dead_letter
+FROM done
+UNION ALL
+SELECT 'claimed', CAST(c.id AS text), c.epoch, c.attempt, c.source_location, c.owner,
+       EXISTS (SELECT 1 FROM dead_letters AS d WHERE d.pipeline = 'conversion'
+               AND d.entity_ref = CAST(c.id AS text) AND d.status <> 'resolved')
+FROM claimed AS c
+UNION ALL
+SELECT 'calls', NULL, max(id), CAST(max(id) - min(id) AS int), NULL, NULL, NULL FROM calls HAVING count(*) > 0"""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished job's fenced completion: its lease, where its staged result goes, and the call's duration."""
+
+    lease: Lease
+    result_location: str
+    call_ms: float | None
+    meta: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Cycle:
+    completed: frozenset[str]
+    claimed: list[Lease]
+    call_ids: tuple[int, int] | None  # (first, last) id of the breaker calls appended, for pruning
+
+
+class HotPath:
+    """The worker's held DB-API connection for its per-turn statement (no pool checkout, no pre-ping).
+
+    Autocommit on: a turn without results to publish is one implicit transaction; a turn with some is
+    ``BEGIN; EXECUTE …`` in one round trip, the caller's publishing, then ``COMMIT``.
+    """
+
+    def __init__(self, engine: sa.Engine, breaker: str) -> None:
+        from redrive.breaker import OK_CALLS_CTE
+
+        self.engine, self.breaker = engine, breaker
+        self._sql = CYCLE_SQL.format(calls=OK_CALLS_CTE.format(breaker="$7", durations="$5", at="$6"))
+        self._raw: Any = None
+        self._open = False
+
+    def _cursor(self) -> Any:
+        if self._raw is None:
+            raw = self.engine.raw_connection()
+            try:
+                raw.driver_connection.autocommit = True
+                with raw.driver_connection.cursor() as cur:
+                    cur.execute(self._sql)
+            except BaseException:
+                raw.invalidate()
+                raise
+            self._raw = raw
+        return self._raw.driver_connection.cursor()
+
+    def cycle(self, done: Sequence[Completion], claim: int, now: datetime, worker: str,
+              lease_expires_at: datetime) -> Cycle:
+        """Complete ``done`` and claim up to ``claim`` jobs in one statement; leaves a transaction open
+        when ``done`` is not empty (the caller publishes, then :meth:`commit`)."""
+        ordered = sorted(done, key=lambda c: c.lease.job_id)
+        calls = [c.call_ms for c in ordered if c.call_ms is not None]
+        params = ([c.lease.job_id for c in ordered], [c.lease.epoch for c in ordered],
+                  [c.result_location for c in ordered], [_meta(c.meta) for c in ordered], calls,
+                  now, self.breaker, claim, worker, lease_expires_at)
+        execute = (f"EXECUTE {CYCLE_NAME} (%s::uuid[], %s::bigint[], %s::text[], %s::jsonb[], %s::float8[], "
+                   "%s, %s, %s, %s, %s)")
+        try:
+            cur = self._cursor()
+            with cur:
+                if ordered:
+                    cur.execute("BEGIN; " + execute, params)
+                    self._open = True
+                else:
+                    cur.execute(execute, params)
+                rows = cur.fetchall()
+        except BaseException:
+            self.reset()
+            raise
+        completed, claimed, call_ids = set(), [], None
+        for kind, job_id, epoch, attempt, source, owner, has_dl in rows:
+            if kind == "done":
+                completed.add(job_id)
+            elif kind == "claimed":
+                claimed.append(Lease(job_id, epoch, attempt, source, owner, worker, bool(has_dl)))
+            else:  # 'calls': the last id and how far back the first one is
+                call_ids = (int(epoch) - int(attempt), int(epoch))
+        claimed.sort(key=lambda lease: lease.job_id)
+        return Cycle(frozenset(completed), claimed, call_ids)
+
+    def commit(self) -> None:
+        if not self._open:
+            return
+        try:
+            with self._raw.driver_connection.cursor() as cur:
+                cur.execute("COMMIT")
+        except BaseException:
+            self.reset()
+            raise
+        finally:
+            self._open = False
+
+    def reset(self) -> None:
+        """Drop the connection (after an error, or at the end): the next turn opens and prepares a fresh one."""
+        raw, self._raw, self._open = self._raw, None, False
+        if raw is not None:
+            try:
+                raw.invalidate()
+            except Exception:  # noqa: BLE001 - it is being thrown away
+                pass
+
+    close = reset
+
+
+def completed_before(conn: sa.Connection, leases: Sequence[Lease]) -> set[str]:
+    """Jobs these very leases already completed (a turn whose COMMIT was lost in transit and then retried)."""
+    if not leases:
+        return set()
+    rows = conn.execute(sa.text(
+        "SELECT CAST(j.id AS text) FROM conversion_jobs AS j "
+        "JOIN unnest(CAST(:ids AS uuid[]), CAST(:epochs AS bigint[])) AS l(id, epoch) "
+        "ON j.id = l.id AND j.lease_epoch = l.epoch WHERE j.status = 'succeeded'"),
+        {"ids": [x.job_id for x in leases], "epochs": [x.epoch for x in leases]})
+    return {r[0] for r in rows}
+
+
+def claim_many(conn: sa.Connection, worker: str, now: datetime, lease_ttl: float, breaker: str,
+               limit: int) -> list[Lease]:
+    """Up to ``limit`` due jobs in one statement (CLAIM_SQL with a bigger LIMIT)."""
+    rows = conn.execute(
+        sa.text(CLAIM_SQL.replace("LIMIT 1", "LIMIT :limit")),
+        {"now": now, "worker": worker, "lease_expires_at": now + timedelta(seconds=lease_ttl), "breaker": breaker,
+         "limit": limit},
+    ).all()
+    return sorted((Lease(str(r.id), r.epoch, r.attempt, r.source_location, r.owner, worker, r.has_dead_letter)
+                   for r in rows), key=lambda lease: lease.job_id)
+
+
+def extend_many(conn: sa.Connection, leases: Sequence[Lease], now: datetime, lease_ttl: float) -> set[str]:
+    """003 §3.5 for every held lease at once, each fenced by its own epoch; returns the ids still held."""
+    if not leases:
+        return set()
+    ordered = sorted(leases, key=lambda x: x.job_id)
+    rows = conn.execute(sa.text(
+        "UPDATE conversion_jobs AS j SET lease_expires_at = :expires, updated_at = :now "
+        "FROM unnest(CAST(:ids AS uuid[]), CAST(:epochs AS bigint[])) AS l(id, epoch) "
+        "WHERE j.id = l.id AND j.lease_epoch = l.epoch AND j.status = 'processing' RETURNING CAST(j.id AS text)"),
+        {"ids": [x.job_id for x in ordered], "epochs": [x.epoch for x in ordered], "now": now,
+         "expires": now + timedelta(seconds=lease_ttl)})
+    return {r[0] for r in rows}
+
+
+def lease_epochs(conn: sa.Connection, job_ids: Sequence[str]) -> dict[str, tuple[str, int]]:
+    """Status and lease epoch of each job (the staged-file sweep keeps only files of leases still held)."""
+    if not job_ids:
+        return {}
+    rows = conn.execute(sa.text(
+        "SELECT CAST(id AS text), status, lease_epoch FROM conversion_jobs WHERE id = ANY(CAST(:ids AS uuid[]))"),
+        {"ids": list(job_ids)})
+    return {r[0]: (r[1], int(r[2])) for r in rows}
+
+
 def claim(conn: sa.Connection, worker: str, now: datetime, lease_ttl: float, breaker: str) -> Lease | None:
     row = conn.execute(
         sa.text(CLAIM_SQL),

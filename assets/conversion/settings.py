@@ -32,7 +32,15 @@ class ConversionSettings(BaseSettings):
     worker_lease_extend_sec: float = Field(
         default=30, gt=0, description="(ours) WORKER_LEASE_EXTEND_SEC: extend the lease this often on long jobs.")
     worker_concurrency: int = Field(
-        default=4, ge=1, description="WORKER_CONCURRENCY: worker runs at once (Dagster tag concurrency limit).")
+        default=4, ge=1, le=256,
+        description="WORKER_CONCURRENCY: jobs in flight per worker (each with its own lease); also the Dagster "
+                    "tag concurrency limit on worker runs.")
+    worker_db_backoff_max_sec: float = Field(
+        default=30, gt=0, description="(ours) WORKER_DB_BACKOFF_MAX_SEC: cap of the wait between turns while the "
+                                      "database is unreachable; the worker waits out any outage.")
+    worker_health_file: Path | None = Field(
+        default=None, description="(ours) WORKER_HEALTH_FILE: the worker writes its health here as JSON "
+                                  "(for a process supervisor's probe); unset: logs only.")
     worker_idle_sleep_sec: float = Field(default=1.5, ge=0, description="(ours) sleep when nothing is due (003: ~1–2 s).")
     worker_idle_exit_sec: float = Field(
         default=10, ge=0, description="(ours) a Dagster worker run ends after this long with nothing to claim.")

@@ -1,13 +1,22 @@
-"""The conversion worker loop (003 §3.4, §3.5) — one code path for Dagster runs and plain processes.
+"""The conversion worker (003 §3.4, §3.5) — one code path for Dagster runs and plain processes.
 
-Each turn: reclaim expired leases; claim one due job (SKIP LOCKED, oldest first — and nothing while
-the circuit breaker is open: then hold the queue and probe the gateway once the cooldown has
-passed); call the gateway with a timeout, stage the XML, and finish with a *fenced* write: complete,
-schedule a retry (``queued`` + ``retryAfter``) or fail for good (dead letter + alert through the
-core), recording the call in the breaker's window in the same transaction. A
-heartbeat thread extends the lease on long jobs. On SIGTERM the worker stops claiming, lets the
-in-flight job finish within WORKER_SHUTDOWN_GRACE_SEC, or requeues it cleanly, writes the final
-status and only then disconnects.
+WORKER_CONCURRENCY jobs are in flight per worker, each under its own fenced lease. Threads, not
+asyncio: the gateway client, the source read and the result's fsync are blocking calls, the Gateway
+protocol is synchronous, and psycopg2 and fsync release the GIL — so a slot thread per job in flight
+keeps the worker's one code path and every seam as it was, where asyncio would need an async gateway,
+an async driver and still a thread for the fsync.
+
+The main thread owns the database. Each turn it writes what the slots finished and claims for the
+slots that freed, in as few statements and commits as correctness allows: the successes of the turn,
+their breaker calls and the next claim are ONE prepared statement on a held connection (no pool
+checkout, no pre-ping), then the staged results are published (renamed, one directory fsync) while
+the row locks are held, then one COMMIT. Failures (rare) take the careful path: the breaker's window
+read, the retry or the final failure — job ``failed``, dead letter and alert in one transaction.
+A lease keeper thread extends every held lease in one fenced statement. A completion whose lease was
+reclaimed is refused by the database and its staged file discarded; staged files of killed workers
+are swept by the reclaim step. The loop waits out a database outage with capped backoff and says so
+in its logs and health. On SIGTERM it stops claiming, lets the jobs in flight finish within
+WORKER_SHUTDOWN_GRACE_SEC, or requeues them cleanly, writes the final status and only then disconnects.
 
 Run it as a plain process::
 
@@ -15,7 +24,7 @@ Run it as a plain process::
     python -m assets.conversion.worker --until-idle 10 --max-seconds 600
 
 Every worker action is one JSON log line (003 §3.7): event, job_id, status, attempt, duration_ms,
-gateway_status, error_code, breaker.
+gateway_status, error_code, breaker — built only when its level is enabled.
 """
 
 from __future__ import annotations
@@ -24,15 +33,17 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import sqlalchemy as sa
@@ -40,11 +51,11 @@ import typer
 
 from assets.conversion import policy
 from assets.conversion import repository as repo
-from assets.conversion.files import FileStore
+from assets.conversion.files import FileStore, Staged
 from assets.conversion.settings import BREAKER, PIPELINE, ConversionSettings
 from redrive.alerts import Alert
 from redrive.backoff import FullJitter
-from redrive.breaker import CircuitBreaker, Transition, counts_as_failure, record_call
+from redrive.breaker import CircuitBreaker, Transition, counts_as_failure, prune_if_due, record_call
 from redrive.budgets import decide
 from redrive.deadletters import FinalFailure
 from redrive.failures import Failure
@@ -56,9 +67,11 @@ from resources.conversion import Gateway
 logger = logging.getLogger("redrive.conversion.worker")
 
 STAGE = "convert"
-MAX_CONSECUTIVE_ERRORS = 8
-LOOP_BACKOFF = FullJitter(initial=1.0, max_delay=30.0)
-"""Waits between turns that failed outside a job (the database unreachable): 002's full jitter, from the core."""
+LOOP_BACKOFF_INITIAL = 1.0
+"""Waits between turns that failed outside a job (the database unreachable): 002's full jitter from the core,
+capped at WORKER_DB_BACKOFF_MAX_SEC; the worker never gives up on the database, only on a bug."""
+OUTAGE_LOG_EVERY = 60.0
+"""While the database stays away, one ``database_unavailable`` line a minute (and the health file)."""
 
 
 class ShutdownNow(BaseException):  # noqa: N818 - a control-flow signal, like KeyboardInterrupt
@@ -82,6 +95,8 @@ class JsonLog:
         self.also = also
 
     def __call__(self, event: str, *, level: int = logging.INFO, **fields: Any) -> None:
+        if self.also is None and not logger.isEnabledFor(level):
+            return  # issue 14: no line is built for a level that is off
         record = {"ts": datetime.now(UTC).isoformat(timespec="milliseconds"), "event": event,
                   "pipeline": PIPELINE, "worker": self.worker, "breaker": self.breaker,
                   **{k: v for k, v in fields.items() if v is not None}}
@@ -163,63 +178,143 @@ class Shutdown:
 
 
 class LeaseKeeper:
-    """003 §3.5: extend the held lease every WORKER_LEASE_EXTEND_SEC, from one thread per worker.
+    """003 §3.5: every held lease extended WORKER_LEASE_EXTEND_SEC after it was taken or last extended.
 
-    :meth:`release` waits for an extension in progress, so no extension ever races the final write
-    (which would be refused and look like a lost lease).
+    One thread per worker; the leases due at the same moment go out in one fenced statement, each
+    with its own epoch. :meth:`release` waits for an extension in progress, so no extension ever races
+    a job's final write (which would be refused and look like a lost lease).
     """
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.extensions = 0
         self._cond = threading.Condition()
-        self._lease: repo.Lease | None = None
-        self._due = 0.0
+        self._due: dict[str, tuple[float, repo.Lease]] = {}
         self._closed = False
         self._thread: threading.Thread | None = None
 
-    def hold(self, lease: repo.Lease) -> None:
+    def hold(self, leases: Sequence[repo.Lease]) -> None:
+        if not leases:
+            return
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"lease-keeper-{self.worker.worker_id}",
                                                 daemon=True)
                 self._thread.start()
-            self._lease = lease
-            self._due = time.monotonic() + self.worker.settings.worker_lease_extend_sec
+            due = time.monotonic() + self.worker.settings.worker_lease_extend_sec
+            for lease in leases:
+                self._due[lease.job_id] = (due, lease)
             self._cond.notify()
 
-    def release(self) -> None:
+    def release(self, job_ids: Sequence[str]) -> None:
         with self._cond:  # held by the keeper while it extends: returns only once no extension is running
-            self._lease = None
-            self._cond.notify()
+            for job_id in job_ids:
+                self._due.pop(job_id, None)
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            self._lease = None
+            self._due.clear()
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        with self._cond:  # a worker may run again (tests do): the next hold starts a new keeper
+            self._thread, self._closed = None, False
 
     def _run(self) -> None:
         every = self.worker.settings.worker_lease_extend_sec
         with self._cond:
             while not self._closed:
-                if self._lease is None:
+                if not self._due:
                     self._cond.wait()
                     continue
-                remaining = self._due - time.monotonic()
-                if remaining > 0:
-                    self._cond.wait(remaining)
+                now = time.monotonic()
+                first = min(d for d, _ in self._due.values())
+                if first > now:
+                    self._cond.wait(first - now)
                     continue
-                lease, self._due = self._lease, time.monotonic() + every
+                due = [lease for d, lease in self._due.values() if d <= now]
                 try:
-                    if self.worker.extend(lease):
-                        self.extensions += 1
+                    held = self.worker.extend_many(due)
+                except Exception:  # noqa: BLE001 - a missed extension is retried soon; the lease has slack
+                    self.worker.log("lease_extend_error", in_flight=len(due), level=logging.WARNING)
+                    retry_at = now + min(every, 1.0)
+                    for lease in due:
+                        self._due[lease.job_id] = (retry_at, lease)
+                    continue
+                self.extensions += len(held)
+                for lease in due:
+                    if lease.job_id in held:
+                        self._due[lease.job_id] = (now + every, lease)
                     else:
-                        self._lease = None  # lost: the final write will be refused too, and say so
-                except Exception:  # noqa: BLE001 - a missed extension is retried next period; the lease has slack
-                    self.worker.log("lease_extend_error", job_id=lease.job_id, level=logging.WARNING)
+                        self._due.pop(lease.job_id, None)  # lost: its final write will be refused too, and say so
+
+
+# ---------------------------------------------------------------------------------------------- slots
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What a slot thread brings back from one job: a staged result or a failure, and its timings."""
+
+    lease: repo.Lease
+    staged: Staged | None
+    size: int
+    failure: Failure | None
+    call_ms: float | None
+    duration_ms: float
+
+
+class Slots:
+    """WORKER_CONCURRENCY daemon threads: each takes a lease, runs the attempt, hands the :class:`Attempt` back.
+
+    Daemon threads, so a process whose shutdown grace ran out exits without waiting for a gateway
+    call it has abandoned (the job was requeued; its staged file, if any, is swept later).
+    """
+
+    def __init__(self, size: int, attempt: Callable[[repo.Lease], Attempt], name: str) -> None:
+        self.size = size
+        self.finished: queue.SimpleQueue[Attempt] = queue.SimpleQueue()
+        self._todo: queue.SimpleQueue[repo.Lease | None] = queue.SimpleQueue()
+        self._attempt = attempt
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-slot-{i}", daemon=True)
+                         for i in range(size)]
+        self._started = False
+        self.busy = 0  # leases taken but not handed back; read by the main thread's orphan check
+        self._busy_lock = threading.Lock()
+
+    def idle(self) -> bool:
+        """No lease queued, none being worked on and nothing waiting to be collected."""
+        return self.busy == 0 and self._todo.empty() and self.finished.empty()
+
+    def submit(self, leases: Sequence[repo.Lease]) -> None:
+        if not self._started:
+            for t in self._threads:
+                t.start()
+            self._started = True
+        for lease in leases:
+            with self._busy_lock:
+                self.busy += 1
+            self._todo.put(lease)
+
+    def close(self) -> None:
+        """Stop the threads once their current job is done; a later submit starts fresh ones."""
+        if self._started:
+            for _ in self._threads:
+                self._todo.put(None)
+            self._threads = [threading.Thread(target=self._run, name=t.name, daemon=True) for t in self._threads]
+            self._started = False
+
+    def _run(self) -> None:
+        while True:
+            lease = self._todo.get()
+            if lease is None:
+                return
+            try:
+                self.finished.put(self._attempt(lease))
+            finally:
+                with self._busy_lock:
+                    self.busy -= 1
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -235,12 +330,30 @@ class WorkerReport:
     reclaimed: int = 0
     fenced: int = 0
     probes: int = 0
+    swept: int = 0
+    db_errors: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
 
 
+@dataclass
+class Health:
+    """What the worker says about itself (issue 13 item 13): in the logs, and in WORKER_HEALTH_FILE if set."""
+
+    status: Literal["ok", "degraded"] = "ok"
+    database: Literal["up", "unreachable"] = "up"
+    since: str | None = None
+    consecutive_errors: int = 0
+    last_error: str | None = None
+    in_flight: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
 Outcome = Literal["succeeded", "retry", "failed", "requeued", "fenced"]
+Sleep = Callable[[float], object]
 
 
 @dataclass
@@ -253,6 +366,8 @@ class Worker:
     shutdown: Shutdown = field(default_factory=lambda: Shutdown(30.0))
     log: JsonLog = None  # type: ignore[assignment]
     report: WorkerReport = field(default_factory=WorkerReport)
+    sleep: Sleep | None = None
+    """Waits between turns (idle, database outage); default: the shutdown event's wait, which wakes on SIGTERM."""
 
     def __post_init__(self) -> None:
         self.engine: sa.Engine = self.reliability.engine
@@ -260,68 +375,210 @@ class Worker:
         self.breaker = CircuitBreaker(self.engine, BREAKER, self.settings.breaker_policy(self.reliability.time_scale),
                                       self.clock)
         self.backoff = self.settings.backoff()
+        self.loop_backoff = FullJitter(initial=LOOP_BACKOFF_INITIAL, max_delay=self.settings.worker_db_backoff_max_sec)
         if self.log is None:
             self.log = JsonLog(self.worker_id)
+        if self.sleep is None:
+            self.sleep = self.shutdown.wait
         self.keeper = LeaseKeeper(self)
+        self.slots = Slots(self.settings.worker_concurrency, self._attempt, self.worker_id)
+        self.hot = repo.HotPath(self.engine, BREAKER)
+        self.health = Health()
+        self.in_flight: dict[tuple[str, int], repo.Lease] = {}
+        self.abandoned: set[tuple[str, int]] = set()
+        self._unwritten: list[Attempt] = []
         self._last_reclaim: float | None = None
         self._held_logged = False
+        self._outage_logged_at: float | None = None
+        self._outage_started = 0.0
 
     # -- the loop -------------------------------------------------------------------------------------
 
     def run(self, *, until_idle: float | None = None, max_seconds: float | None = None,
             max_jobs: int | None = None) -> WorkerReport:
-        """Loop until shutdown, ``max_seconds``, ``max_jobs``, or ``until_idle`` seconds with nothing to claim."""
+        """Loop until shutdown, ``max_seconds``, ``max_jobs``, or ``until_idle`` seconds with nothing to claim.
+
+        Jobs in flight when it stops claiming are finished and written before it returns.
+        """
         started = self.clock.monotonic()
         idle_since: float | None = None
-        errors = 0
-        self.log("worker_started", lease_ttl_sec=self.settings.worker_lease_ttl_sec)
+        self.log("worker_started", lease_ttl_sec=self.settings.worker_lease_ttl_sec,
+                 concurrency=self.settings.worker_concurrency)
+        self._write_health()
         try:
-            while not self.shutdown.requested:
+            while True:
                 now = self.clock.monotonic()
+                claiming = not self.shutdown.requested
                 if max_seconds is not None and now - started >= max_seconds:
-                    break
+                    claiming = False
                 if max_jobs is not None and self.report.claimed >= max_jobs:
+                    claiming = False
+                if not claiming and not self.in_flight and not self._unwritten:
                     break
                 try:
-                    outcome = self.step()
-                    errors = 0
-                except Exception as exc:  # noqa: BLE001 - the database blinked: back off, do not die at once
-                    errors += 1
+                    state = self.turn(claim=claiming, limit=None if max_jobs is None
+                                      else max(0, max_jobs - self.report.claimed))
+                except Exception as exc:  # noqa: BLE001 - the database is away: wait it out, never die of it
                     failure = policy.classify(exc)
-                    self.log("worker_error", error_code=failure.code, consecutive=errors, level=logging.ERROR)
-                    if not failure.retryable or errors >= MAX_CONSECUTIVE_ERRORS:
+                    if not failure.retryable:
                         raise
-                    self.shutdown.wait(LOOP_BACKOFF.delay(errors, self.reliability.rng_for(self.worker_id))
-                                       * self.reliability.time_scale)
+                    self._database_error(failure)
                     continue
-                if outcome in ("processed",):
+                self._database_back()
+                if state == "busy":
                     idle_since = None
+                    continue
+                if not claiming:
                     continue
                 if until_idle is not None:
                     idle_since = now if idle_since is None else idle_since
                     if now - idle_since >= until_idle:
                         break
-                self.shutdown.wait(self.settings.worker_idle_sleep_sec)  # 003 §3.4: none claimed, sleep ~1–2 s
-        except ShutdownNow:
-            pass  # the in-flight job was requeued in `process`
+                self.sleep(self.settings.worker_idle_sleep_sec)  # 003 §3.4: none claimed, sleep ~1–2 s
+        except (ShutdownNow, KeyboardInterrupt):
+            self._abandon("shutdown")
+        except BaseException:  # Dagster's interrupt on run termination, SystemExit…: requeue, then let it go
+            self._abandon("interrupted")
+            raise
         finally:
             self.keeper.close()
+            self.slots.close()
+            self.hot.close()
         self.log("worker_stopped", **self.report.as_dict(), shutdown=self.shutdown.requested)
         return self.report
 
-    def step(self) -> Literal["processed", "idle", "held"]:
-        """One turn: reclaim when due, claim and process at most one job; an open breaker holds the queue."""
+    def turn(self, *, claim: bool = True, limit: int | None = None) -> Literal["busy", "idle", "held"]:
+        """Write what finished, claim for the free slots, then wait for the next job to finish (if any is in flight)."""
         self.maybe_reclaim()
-        lease = self.claim()  # the claim itself refuses to dispatch while the breaker is open
-        if lease is not None:
-            self.process(lease)
+        finished = self._unwritten + self._collect(block=False)
+        free = self.settings.worker_concurrency - len(self.in_flight) + len(finished)
+        want = max(0, min(free, limit if limit is not None else free)) if claim else 0
+        self._unwritten = list(finished)  # a copy: _write removes what it wrote from the retry list
+        claimed = self._write(finished, want)
+        self._unwritten = []
+        if claimed:
+            self._start(claimed)
+        if self.in_flight:
+            self._unwritten = self._collect(block=True)
+            return "busy"
+        if claimed or finished:
+            return "busy"
+        if claim and not self.gate():
+            return "held"
+        if claim:
+            self.maybe_reclaim(force=True)
+        return "idle"
+
+    def step(self) -> Literal["processed", "idle", "held"]:
+        """One synchronous turn (tests, probes): claim up to WORKER_CONCURRENCY due jobs, finish and write them all."""
+        self.maybe_reclaim()
+        claimed = self._write([], self.settings.worker_concurrency)
+        if claimed:
+            self._start(claimed)
+            while self.in_flight:
+                self._write(self._collect(block=True), 0)
             return "processed"
         if not self.gate():
             return "held"
         self.maybe_reclaim(force=True)
         return "idle"
 
+    def _start(self, leases: Sequence[repo.Lease]) -> None:
+        for lease in leases:
+            self.in_flight[(lease.job_id, lease.epoch)] = lease
+            self.report.claimed += 1
+            self.log("job_claimed", job_id=lease.job_id, status="processing", attempt=lease.attempt,
+                     epoch=lease.epoch)
+        self.keeper.hold(leases)
+        self.slots.submit(leases)
+
+    def _collect(self, *, block: bool) -> list[Attempt]:
+        """Attempts the slots finished: wait for one if ``block`` (interruptible by the shutdown grace), then
+        take every other one already there — a turn writes them together (group commit)."""
+        out: list[Attempt] = []
+        if block:
+            with self.shutdown.interruptible():
+                while True:
+                    try:
+                        out.append(self.slots.finished.get(timeout=0.5))
+                        break
+                    except queue.Empty:
+                        if self.slots.idle() and self.in_flight:
+                            self._orphaned()
+                            return out
+                        if self._reclaim_due():
+                            return out  # let the loop reclaim and sweep while long jobs run
+        while True:
+            try:
+                out.append(self.slots.finished.get_nowait())
+            except queue.Empty:
+                break
+        kept = []
+        for attempt in out:
+            key = (attempt.lease.job_id, attempt.lease.epoch)
+            if key in self.abandoned:  # requeued at shutdown meanwhile
+                self.abandoned.discard(key)
+                if attempt.staged is not None:
+                    self.files.discard(attempt.staged)
+                continue
+            kept.append(attempt)
+        return kept
+
+    def _orphaned(self) -> None:
+        """Leases no slot will ever hand back (a bug if it happens): forget them; their leases expire and are reclaimed."""
+        for key, lease in list(self.in_flight.items()):
+            self.log("lease_orphaned", job_id=lease.job_id, epoch=lease.epoch, level=logging.ERROR)
+            self.keeper.release([lease.job_id])
+            del self.in_flight[key]
+
+    # -- database outages (issue 13 item 13) ------------------------------------------------------------
+
+    def _database_error(self, failure: Failure) -> None:
+        self.report.db_errors += 1
+        h = self.health
+        h.consecutive_errors += 1
+        h.last_error = failure.code
+        now = self.clock.monotonic()
+        if h.database == "up":
+            h.status, h.database, h.since = "degraded", "unreachable", self.clock.now().isoformat()
+            self._outage_started = now
+            self._outage_logged_at = None
+        if self._outage_logged_at is None or now - self._outage_logged_at >= OUTAGE_LOG_EVERY:
+            self._outage_logged_at = now
+            self.log("database_unavailable", error_code=failure.code, consecutive=h.consecutive_errors,
+                     outage_sec=round(now - self._outage_started, 1), in_flight=len(self.in_flight),
+                     level=logging.ERROR)
+            self._write_health()
+        rng = self.reliability.rng_for(f"{self.worker_id}:{h.consecutive_errors}")
+        self.sleep(self.loop_backoff.delay(min(h.consecutive_errors, 30), rng) * self.reliability.time_scale)
+
+    def _database_back(self) -> None:
+        h = self.health
+        if h.database == "up":
+            return
+        outage = round(self.clock.monotonic() - self._outage_started, 1)
+        self.log("database_recovered", outage_sec=outage, consecutive=h.consecutive_errors, level=logging.WARNING)
+        self.health = Health(in_flight=len(self.in_flight))
+        self._write_health()
+
+    def _write_health(self) -> None:
+        target: Path | None = self.settings.worker_health_file
+        if target is None:
+            return
+        body = json.dumps({**self.health.as_dict(), "worker": self.worker_id,
+                           "at": self.clock.now().isoformat()}).encode()
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(body)
+            os.replace(tmp, target)
+        except OSError:
+            self.log("health_file_error", level=logging.WARNING)
+
     # -- reclaim --------------------------------------------------------------------------------------
+
+    def _reclaim_due(self) -> bool:
+        every = min(5.0, self.settings.worker_lease_ttl_sec / 2)
+        return self._last_reclaim is None or self.clock.monotonic() - self._last_reclaim >= every
 
     def maybe_reclaim(self, force: bool = False) -> list[repo.Reclaimed]:
         every = min(5.0, self.settings.worker_lease_ttl_sec / 2)
@@ -331,21 +588,50 @@ class Worker:
         if force and self._last_reclaim is not None and now - self._last_reclaim < min(every, 0.5):
             return []
         self._last_reclaim = now
-        return self.reclaim()
+        moved = self.reclaim()
+        self.sweep_staged()
+        return moved
 
     def reclaim(self) -> list[repo.Reclaimed]:
-        """003 §3.4 reclaim step; a lease lost on the last attempt dead-letters the job."""
+        """003 §3.4 reclaim step; a lease lost on the last attempt fails the job, dead letter and alert included,
+        in the same transaction (issue 13 item 3)."""
         now = self.clock.now()
         with self.engine.begin() as conn:
             moved = repo.reclaim_expired(conn, now, self.settings.retry_max_attempts)
+            for r in moved:
+                if r.outcome == "fail":
+                    self._record_final(conn, r.job_id, None, CONVERSION.apply(policy.LOST_LEASE), r.attempt, now)
         for r in moved:
             self.report.reclaimed += 1
             self.log("lease_expired", job_id=r.job_id, attempt=r.attempt, status="failed" if r.outcome == "fail" else "queued",
                      leased_by=r.leased_by, epoch=r.epoch, level=logging.WARNING)
             if r.outcome == "fail":
-                failure = CONVERSION.apply(policy.LOST_LEASE)
-                self._fail_for_good(r.job_id, None, failure, r.attempt, now)
+                self.report.failed += 1
+        if any(r.outcome == "fail" for r in moved):
+            self.reliability.try_dispatch()
         return moved
+
+    def sweep_staged(self) -> int:
+        """Issue 13 item 9: staged results whose lease is no longer held (a killed worker's) are removed.
+
+        A file is kept while its job is ``processing`` under the epoch in its name: its writer may still
+        complete. Any other epoch can never complete again (fencing), so its file is an orphan.
+        """
+        staged = self.files.staged_files()
+        if not staged:
+            return 0
+        with self.engine.connect() as conn:
+            current = repo.lease_epochs(conn, sorted({job_id for _, job_id, _ in staged}))
+        removed = 0
+        for path, job_id, epoch in staged:
+            if current.get(job_id) == ("processing", epoch):
+                continue
+            path.unlink(missing_ok=True)
+            removed += 1
+        if removed:
+            self.report.swept += removed
+            self.log("staged_results_swept", count=removed, level=logging.WARNING)
+        return removed
 
     # -- circuit breaker ------------------------------------------------------------------------------
 
@@ -388,69 +674,132 @@ class Worker:
             error_class=failure.code,
         ))
 
-    # -- claim ----------------------------------------------------------------------------------------
+    # -- claim and lease ------------------------------------------------------------------------------
 
     def claim(self) -> repo.Lease | None:
-        if self.shutdown.requested:
-            return None  # 003 §3.5: stop claiming
+        """One due job (tests and tools; the loop claims in batches inside its turn's statement)."""
+        leases = self.claim_many(1)
+        return leases[0] if leases else None
+
+    def claim_many(self, limit: int) -> list[repo.Lease]:
+        if self.shutdown.requested or limit <= 0:
+            return []  # 003 §3.5: stop claiming
         now = self.clock.now()
         with self.engine.begin() as conn:
-            lease = repo.claim(conn, self.worker_id, now, self.settings.worker_lease_ttl_sec, BREAKER)
-        if lease is not None:
+            leases = repo.claim_many(conn, self.worker_id, now, self.settings.worker_lease_ttl_sec, BREAKER, limit)
+        for lease in leases:
             self.report.claimed += 1
             self.log("job_claimed", job_id=lease.job_id, status="processing", attempt=lease.attempt, epoch=lease.epoch)
-        return lease
+        return leases
 
     def extend(self, lease: repo.Lease) -> bool:
+        return lease.job_id in self.extend_many([lease])
+
+    def extend_many(self, leases: Sequence[repo.Lease]) -> set[str]:
+        """Every lease in one fenced statement; the lost ones are logged and counted as refused writes."""
         now = self.clock.now()
         with self.engine.begin() as conn:
-            ok = repo.extend(conn, lease, now, self.settings.worker_lease_ttl_sec)
-        if ok:
-            self.log("lease_extended", job_id=lease.job_id, attempt=lease.attempt, epoch=lease.epoch)
-        else:
-            self._fenced(lease, "extend")
-        return ok
+            held = repo.extend_many(conn, leases, now, self.settings.worker_lease_ttl_sec)
+        for lease in leases:
+            if lease.job_id in held:
+                self.log("lease_extended", job_id=lease.job_id, attempt=lease.attempt, epoch=lease.epoch)
+            else:
+                self._fenced(lease, "extend")
+        return held
 
-    # -- process --------------------------------------------------------------------------------------
+    # -- one attempt, in a slot thread ------------------------------------------------------------------
 
-    def process(self, lease: repo.Lease) -> Outcome:
+    def _attempt(self, lease: repo.Lease) -> Attempt:
+        """Read the source, call the gateway, check and stage the XML (fsynced); never raises."""
         start = time.perf_counter()  # durations are measurements, not decisions: the real clock
         call_ms: float | None = None
-        xml: bytes | None = None
-        failure: Failure | None = None
-        self.keeper.hold(lease)
         try:
-            with self.shutdown.interruptible():
-                try:
-                    pdf = self.files.read_source(lease.source_location)
-                except FileNotFoundError as exc:
-                    raise SourceMissing() from exc
-                call_start = time.perf_counter()
-                try:
-                    xml = self.gateway.convert(pdf)
-                finally:
-                    call_ms = round((time.perf_counter() - call_start) * 1000, 2)
-                policy.check_xml(xml)
-        except SourceMissing:
-            failure = SOURCE_MISSING
-            call_ms = None  # the gateway was never called: nothing for the breaker
-        except (ShutdownNow, KeyboardInterrupt):
-            self.keeper.release()
-            self.requeue(lease, "shutdown")
-            raise
+            try:
+                pdf = self.files.read_source(lease.source_location)
+            except FileNotFoundError:
+                return Attempt(lease, None, 0, SOURCE_MISSING, None, _ms(start))
+            call_start = time.perf_counter()
+            try:
+                xml = self.gateway.convert(pdf)
+            finally:
+                call_ms = round((time.perf_counter() - call_start) * 1000, 2)
+            policy.check_xml(xml)
+            staged = self.files.stage_result(lease.job_id, lease.epoch, xml)
+            return Attempt(lease, staged, len(xml), None, call_ms, _ms(start))
         except Exception as exc:  # noqa: BLE001 - every failure is classified, none escapes unnamed
-            failure = policy.classify(exc)
-        except BaseException:  # Dagster's interrupt on run termination, SystemExit…: requeue, then let it go
-            self.keeper.release()
-            self.requeue(lease, "interrupted")
+            return Attempt(lease, None, 0, policy.classify(exc), call_ms, _ms(start))
+        except BaseException as exc:  # noqa: BLE001 - a slot thread never dies silently with a lease held
+            return Attempt(lease, None, 0, policy.classify(exc), call_ms, _ms(start))
+
+    def process(self, lease: repo.Lease) -> Outcome:
+        """One claimed job start to finish in the calling thread (tests): attempt, then the turn's write."""
+        self.in_flight[(lease.job_id, lease.epoch)] = lease
+        return self._write_one(self._attempt(lease))
+
+    def _write_one(self, attempt: Attempt) -> Outcome:
+        outcomes: dict[str, Outcome] = {}
+        self._write([attempt], 0, outcomes)
+        return outcomes[attempt.lease.job_id]
+
+    # -- the turn's writes -------------------------------------------------------------------------------
+
+    def _write(self, finished: Sequence[Attempt], claim: int,
+               outcomes: dict[str, Outcome] | None = None) -> list[repo.Lease]:
+        """Write the finished attempts and claim up to ``claim`` jobs; returns the new leases.
+
+        Failures first, one careful transaction each (so a breaker they open stops this very claim);
+        then the successes, their breaker calls and the claim in one statement, the results published
+        under the row locks, one COMMIT.
+        """
+        outcomes = {} if outcomes is None else outcomes
+        self.keeper.release([a.lease.job_id for a in finished])
+        successes = []
+        for attempt in finished:
+            if attempt.failure is None:
+                successes.append(attempt)
+            else:
+                outcomes[attempt.lease.job_id] = self._failed(attempt)
+                self.in_flight.pop((attempt.lease.job_id, attempt.lease.epoch), None)
+                if attempt in self._unwritten:  # written: a retried turn must not write it again
+                    self._unwritten.remove(attempt)
+        if self.shutdown.requested:
+            claim = 0  # 003 §3.5: stop claiming
+        if not successes and claim <= 0:
+            return []
+        now = self.clock.now()
+        done = [repo.Completion(a.lease, a.staged.location, a.call_ms,  # type: ignore[union-attr]
+                                {"worker": a.lease.worker, "epoch": a.lease.epoch, "duration_ms": a.duration_ms,
+                                 "gateway_status": 200, "bytes": a.size}) for a in successes]
+        cycle = self.hot.cycle(done, claim, now, self.worker_id,
+                               now + timedelta(seconds=self.settings.worker_lease_ttl_sec))
+        try:
+            self.files.publish_all([a.staged for a in successes if a.lease.job_id in cycle.completed])  # type: ignore[misc]
+            self.hot.commit()
+        except BaseException:
+            self.hot.reset()
             raise
-        finally:
-            self.keeper.release()
-        duration_ms = round((time.perf_counter() - start) * 1000, 1)
-        if failure is None:
-            assert xml is not None
-            return self._complete(lease, xml, duration_ms, call_ms)
-        return self._failed(lease, failure, duration_ms, call_ms)
+        if cycle.call_ids is not None:
+            with self.engine.begin() as conn:
+                prune_if_due(conn, BREAKER, *cycle.call_ids)
+        refused = [a for a in successes if a.lease.job_id not in cycle.completed]
+        if refused:
+            with self.engine.connect() as conn:
+                ours = repo.completed_before(conn, [a.lease for a in refused])
+        for attempt in successes:
+            lease = attempt.lease
+            self.in_flight.pop((lease.job_id, lease.epoch), None)
+            if lease.job_id in cycle.completed or (refused and lease.job_id in ours):
+                outcomes[lease.job_id] = "succeeded"
+                self.report.succeeded += 1
+                self.log("job_completed", job_id=lease.job_id, status="succeeded", attempt=lease.attempt,
+                         duration_ms=attempt.duration_ms, gateway_status=200)
+                if lease.has_dead_letter:
+                    self.reliability.succeeded(PIPELINE, lease.job_id)  # a retried or replayed job closes its letter
+            else:
+                self.files.discard(attempt.staged)  # type: ignore[arg-type]
+                self._fenced(lease, "complete")
+                outcomes[lease.job_id] = "fenced"
+        return cycle.claimed
 
     def _record_call(self, conn: sa.Connection, failure: Failure | None, call_ms: float | None) -> Transition | None:
         """The gateway call into the breaker's window, in the same transaction as the job's final write.
@@ -463,31 +812,14 @@ class Worker:
         return record_call(conn, BREAKER, ok, call_ms, self.clock.now(), self.breaker.policy)
 
     def _complete(self, lease: repo.Lease, xml: bytes, duration_ms: float, call_ms: float | None) -> Outcome:
+        """A finished conversion's write on its own (tests): stage, then the same turn write as the loop's."""
         staged = self.files.stage_result(lease.job_id, lease.epoch, xml)
-        now = self.clock.now()
-        published = False
-        try:
-            with self.engine.begin() as conn:
-                self._record_call(conn, None, call_ms)
-                if repo.complete(conn, lease, staged.location, now,
-                                 {"worker": lease.worker, "epoch": lease.epoch, "duration_ms": duration_ms,
-                                  "gateway_status": 200, "bytes": len(xml)}):
-                    self.files.publish(staged)  # inside the transaction: the row lock keeps a reclaim away
-                    published = True
-        finally:
-            if not published:
-                self.files.discard(staged)
-        if not published:
-            self._fenced(lease, "complete")
-            return "fenced"
-        self.report.succeeded += 1
-        self.log("job_completed", job_id=lease.job_id, status="succeeded", attempt=lease.attempt,
-                 duration_ms=duration_ms, gateway_status=200)
-        if lease.has_dead_letter:
-            self.reliability.succeeded(PIPELINE, lease.job_id)  # a retried or replayed job closes its dead letter
-        return "succeeded"
+        self.in_flight[(lease.job_id, lease.epoch)] = lease
+        return self._write_one(Attempt(lease, staged, len(xml), None, call_ms, duration_ms))
 
-    def _failed(self, lease: repo.Lease, failure: Failure, duration_ms: float, call_ms: float | None) -> Outcome:
+    def _failed(self, attempt: Attempt) -> Outcome:
+        lease, failure, duration_ms = attempt.lease, attempt.failure, attempt.duration_ms
+        assert failure is not None
         now = self.clock.now()
         rng = self.reliability.rng_for(f"{PIPELINE}:{lease.job_id}:{STAGE}:{lease.attempt}")
         decision = decide(failure, lease.attempt, self.settings.retry_max_attempts, self.backoff, rng)
@@ -498,7 +830,7 @@ class Worker:
             wait = policy.scaled_seconds(decision.delay, self.reliability.time_scale)
             retry_at = now + timedelta(seconds=wait)
             with self.engine.begin() as conn:
-                transition = self._record_call(conn, failure, call_ms)
+                transition = self._record_call(conn, failure, attempt.call_ms)
                 ok = repo.schedule_retry(conn, lease, failure.code, message, retry_at, now,
                                          {**meta, "delay_ms": round(wait * 1000, 1)})
             if transition is not None:
@@ -511,27 +843,51 @@ class Worker:
                      duration_ms=duration_ms, gateway_status=failure.upstream_status, error_code=failure.code,
                      retry_in_ms=round(wait * 1000, 1), level=logging.WARNING)
             return "retry"
-        with self.engine.begin() as conn:
-            transition = self._record_call(conn, failure, call_ms)
+        with self.engine.begin() as conn:  # issue 13 item 3: `failed`, dead letter and alert commit together
+            transition = self._record_call(conn, failure, attempt.call_ms)
             ok = repo.fail(conn, lease, failure.code, message, now, {**meta, "reason": decision.reason})
+            if ok:
+                self._record_final(conn, lease.job_id, lease.owner, failure, lease.attempt, now)
         if transition is not None:
             self._breaker_opened(transition, failure)
         if not ok:
             self._fenced(lease, "fail")
             return "fenced"
+        self.report.failed += 1
         self.log("job_failed", job_id=lease.job_id, status="failed", attempt=lease.attempt, duration_ms=duration_ms,
                  gateway_status=failure.upstream_status, error_code=failure.code, reason=decision.reason,
                  level=logging.ERROR)
-        self._fail_for_good(lease.job_id, lease.owner, failure, lease.attempt, now)
+        self.reliability.try_dispatch()
         return "failed"
 
-    def _fail_for_good(self, job_id: str, owner: str | None, failure: Failure, attempts: int, now: datetime) -> None:
-        self.report.failed += 1
+    def _record_final(self, conn: sa.Connection, job_id: str, owner: str | None, failure: Failure, attempts: int,
+                      now: datetime) -> None:
+        """The dead letter and its alert, inside the caller's transaction (the job's own `failed` write)."""
         self.reliability.fail_for_good(FinalFailure(
             pipeline=PIPELINE, stage=STAGE, entity_ref=job_id, failure=failure, attempts=attempts, at=now,
             tenant=owner, context={"job_id": job_id, "error_code": failure.code},
             payload_ref={"table": "conversion_jobs", "id": job_id},
-        ))
+        ), conn=conn)
+
+    # -- giving jobs back -----------------------------------------------------------------------------
+
+    def _abandon(self, reason: str) -> None:
+        """The loop is cut short: write what already finished, requeue what is still in flight (003 §3.5)."""
+        try:
+            finished = self._unwritten + self._collect(block=False)
+            self._unwritten = []
+            if finished:
+                self._write(finished, 0)
+        except Exception:  # noqa: BLE001 - the database may be the reason; their leases expire and are reclaimed
+            self.log("final_write_error", in_flight=len(self.in_flight), level=logging.ERROR)
+        for (job_id, epoch), lease in sorted(self.in_flight.items()):
+            self.keeper.release([job_id])
+            self.abandoned.add((job_id, epoch))
+            try:
+                self.requeue(lease, reason)
+            except Exception:  # noqa: BLE001 - the lease expires and the reclaim takes it over
+                self.log("requeue_error", job_id=job_id, level=logging.ERROR)
+        self.in_flight.clear()
 
     def requeue(self, lease: repo.Lease, reason: str) -> bool:
         """003 §3.5: the in-flight job cannot finish — back to ``queued``, lease cleared, attempt given back."""
@@ -552,6 +908,10 @@ class Worker:
             repo.record_fenced(conn, lease, write, self.clock.now())
         self.log("lease_lost_write_refused", job_id=lease.job_id, attempt=lease.attempt, epoch=lease.epoch,
                  write=write, level=logging.WARNING)
+
+
+def _ms(start: float) -> float:
+    return round((time.perf_counter() - start) * 1000, 1)
 
 
 class SourceMissing(Exception):
@@ -608,7 +968,8 @@ def conversion(
         worker.run(until_idle=until_idle, max_seconds=max_seconds)
     finally:
         worker.shutdown.uninstall()
-        worker.gateway.close()
+        if not worker.abandoned:  # a slot still inside an abandoned call keeps its client; the process ends anyway
+            worker.gateway.close()
         worker.engine.dispose()  # 003 §3.5: disconnect only after the final status write
 
 

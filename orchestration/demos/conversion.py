@@ -71,8 +71,12 @@ def _run(ctx):  # -> orchestration.demo.DemoReport
         # 1. a clean conversion and a file the gateway rejects (400 → GW_4XX: no retry, dead letter + alert)
         refused = upload("photo.pdf", b"\x89PNG\r\n\x1a\n not a pdf")
         assert refused.status_code == 415 and refused.json()["error"] == "NOT_PDF", refused.text
-        clean, rejected = upload("contract.pdf").json()["id"], upload("mapping.pdf").json()["id"]
-        ctx.sandbox.script("pdf.convert", {"kind": "ok"}, {"status": 400, "error_code": "INVALID_MAPPING"})
+        # one run each: a worker keeps several jobs in flight, so the sandbox's scripted order needs one at a time
+        clean = upload("contract.pdf").json()["id"]
+        ctx.sandbox.script("pdf.convert", {"kind": "ok"})
+        work()
+        rejected = upload("mapping.pdf").json()["id"]
+        ctx.sandbox.script("pdf.convert", {"status": 400, "error_code": "INVALID_MAPPING"})
         work()
         assert status(clean).status == "succeeded"
         assert (status(rejected).status, status(rejected).error_code) == ("failed", "GW_4XX")

@@ -23,9 +23,10 @@ def test_breaker_opens_holds_the_queue_and_resumes_when_the_gateway_recovers(
         clock.advance(0.001)
     sandbox.random_faults("pdf.convert", seed=1, rates={"503": 1.0})
     sandbox.random_faults("pdf.health", seed=1, rates={"503": 1.0})
-    a, b = make_worker(worker_id="a"), make_worker(worker_id="b")
+    two_in_flight = conv_settings.model_copy(update={"worker_concurrency": 2})
+    a, b = make_worker(worker_id="a", settings=two_in_flight), make_worker(worker_id="b", settings=two_in_flight)
 
-    for i in range(10):
+    for i in range(5):  # two jobs in flight per turn: ten calls
         assert (a if i % 2 else b).step() == "processed"
     assert CircuitBreaker(engine, "pdf-gateway", conv_settings.breaker_policy(), clock).state().is_open
     calls = len(sandbox.requests("pdf.convert"))
@@ -69,7 +70,9 @@ def test_4xx_answers_never_open_the_breaker(engine, sandbox, submit, make_worker
         submit()
     sandbox.random_faults("pdf.convert", seed=2, rates={"400": 1.0})
     worker = make_worker()
-    for _ in range(20):
-        assert worker.step() == "processed"
+    turns = 0
+    while worker.step() == "processed":
+        turns += 1
+    assert turns == 5  # WORKER_CONCURRENCY=4 jobs per turn
     assert counts(engine) == {"failed": 20}
     assert worker.breaker.allows()

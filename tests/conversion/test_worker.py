@@ -161,41 +161,59 @@ def test_every_worker_action_is_one_json_line_with_the_fields_of_003(engine, san
     assert [line["event"] for line in lines].count("job_claimed") == 2
 
 
-def test_the_loop_rides_out_a_database_blip_and_gives_up_when_it_lasts(engine, submit, make_worker, reliability,
-                                                                       monkeypatch, caplog) -> None:
-    """Two transient database errors between turns are logged and backed off, then the queue drains;
-    a database that stays away makes the loop give up (re-raise) after MAX_CONSECUTIVE_ERRORS turns."""
+def test_a_worker_waits_out_a_database_outage_of_minutes_with_capped_backoff(
+        engine, admin_url, db_url, submit, make_worker, clock, conv_settings, caplog, tmp_path) -> None:
+    """Issue 13 item 13: the real worker against its database refusing connections for ~7 minutes (injected
+    sleep, frozen clock): it never exits, every wait is capped, logs and health say `unreachable`, then it drains."""
+    import json
     import logging
 
-    import psycopg2
-    import pytest
-
-    from assets.conversion.worker import MAX_CONSECUTIVE_ERRORS
-
-    def outage() -> sa.exc.OperationalError:
-        return sa.exc.OperationalError("SELECT", {}, psycopg2.OperationalError("server closed the connection"))
+    from devstack.postgres import with_database
 
     caplog.set_level(logging.INFO, logger="redrive.conversion.worker")
     job_id = submit()
-    worker = make_worker()
-    reliability.time_scale = 0.001  # the loop's backoff (1 s, 2 s, …) in milliseconds
-    real_claim, blips = worker.claim, [outage(), outage()]
+    name = sa.engine.make_url(db_url).database
+    admin = sa.create_engine(with_database(admin_url, "postgres"), isolation_level="AUTOCOMMIT")
 
-    def flaky_claim():
-        if blips:
-            raise blips.pop()
-        return real_claim()
+    def database(accepting: bool) -> None:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS {str(accepting).lower()}'))
+            if not accepting:
+                conn.execute(sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                     "WHERE datname = :d AND pid <> pg_backend_pid()"), {"d": name})
 
-    monkeypatch.setattr(worker, "claim", flaky_claim)
-    report = worker.run(until_idle=0.0)
+    health_file = tmp_path / "worker-health.json"
+    knobs = conv_settings.model_copy(update={"worker_db_backoff_max_sec": 20.0, "worker_health_file": health_file})
+    waits: list[float] = []
+    seen_health: list[dict] = []
+    outage = 420.0  # seven minutes of frozen time
+
+    def fake_sleep(seconds: float) -> bool:
+        waits.append(seconds)
+        clock.advance(seconds)
+        if health_file.exists():
+            seen_health.append(json.loads(health_file.read_text()))
+        if sum(waits) >= outage and waits[-1] != 0.05:
+            database(True)
+        return False
+
+    worker = make_worker(settings=knobs)
+    worker.sleep = fake_sleep
+    database(False)
+    try:
+        report = worker.run(until_idle=0.0)
+    finally:
+        database(True)
+        admin.dispose()
+
     assert report.succeeded == 1 and job(engine, job_id).status == "succeeded"
-    assert sum('"worker_error"' in r.getMessage() for r in caplog.records) == 2
-
-    def down():
-        raise outage()
-
-    monkeypatch.setattr(worker, "claim", down)
-    caplog.clear()
-    with pytest.raises(sa.exc.OperationalError):
-        worker.run(until_idle=0.0)
-    assert sum('"worker_error"' in r.getMessage() for r in caplog.records) == MAX_CONSECUTIVE_ERRORS
+    outage_waits = [w for w in waits if w != knobs.worker_idle_sleep_sec]
+    assert sum(outage_waits) >= outage and len(outage_waits) > 8  # more errors than the old give-up count
+    assert max(outage_waits) <= 20.0  # capped: WORKER_DB_BACKOFF_MAX_SEC
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "redrive.conversion.worker"]
+    down = [x for x in lines if x["event"] == "database_unavailable"]
+    back = [x for x in lines if x["event"] == "database_recovered"]
+    assert down and down[0]["consecutive"] == 1 and len(down) < len(outage_waits)  # said once a minute, not per try
+    assert len(back) == 1 and back[0]["outage_sec"] >= outage
+    assert any(h["status"] == "degraded" and h["database"] == "unreachable" for h in seen_health)
+    assert json.loads(health_file.read_text())["status"] == "ok"
