@@ -68,6 +68,9 @@ conversion_jobs = sa.Table(
     sa.CheckConstraint("attempt_count >= 0", name="attempt_count"),
     sa.Index("ix_conversion_jobs_status_retry_after", "status", "retry_after"),  # 003 §3.2
     sa.Index("ix_conversion_jobs_queued_created", "created_at", postgresql_where=sa.text("status = 'queued'")),
+    # fresh jobs (no retry scheduled), oldest first: the claim's first index range (issue 13 §10)
+    sa.Index("ix_conversion_jobs_fresh", "created_at", "id",
+             postgresql_where=sa.text("status = 'queued' AND retry_after IS NULL")),
     sa.Index("ix_conversion_jobs_lease", "lease_expires_at", postgresql_where=sa.text("status = 'processing'")),
     sa.Index("ix_conversion_jobs_owner_created", "owner", "created_at"),
 )
@@ -218,13 +221,27 @@ def events(conn: sa.Connection, job_id: str) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------- worker: claim
 
+# Due jobs as two index ranges (issue 13 §10): fresh jobs (no retry_after) oldest first from their partial
+# index, and retries whose time has come from the (status, retry_after) index of 003 §3.2. One predicate
+# `retry_after IS NULL OR retry_after <= now` would walk queued jobs in created order and filter out the
+# ones scheduled in the future: with many of those ahead of the due ones, a scan. Each range is bounded
+# (a few times the claim size; SKIP LOCKED skips what other workers hold), then the oldest are claimed.
+DUE_IDS_SQL = """\
+(SELECT id FROM conversion_jobs WHERE status = 'queued' AND retry_after IS NULL
+ ORDER BY created_at, id LIMIT {limit})
+UNION ALL
+(SELECT id FROM conversion_jobs WHERE status = 'queued' AND retry_after <= {now}
+ ORDER BY retry_after, id LIMIT {limit})"""
+
+
 # 003 §3.4: a short transaction (one statement) from `queued` where retryAfter is null or due, oldest
 # first, FOR UPDATE SKIP LOCKED; the claim bumps the lease epoch and logs the `processing` event. While
 # the gateway's circuit breaker is open it claims nothing (003 §3.3 hold-queue), in the same statement.
 CLAIM_SQL = """\
 WITH candidate AS (
     SELECT id FROM conversion_jobs
-    WHERE status = 'queued' AND (retry_after IS NULL OR retry_after <= :now)
+    WHERE id IN ({due_ids})
+      AND status = 'queued'
       AND NOT EXISTS (SELECT 1 FROM circuit_breakers WHERE name = :breaker AND state = 'open')
     ORDER BY created_at, id
     LIMIT 1
@@ -245,7 +262,7 @@ WITH candidate AS (
 SELECT c.id, c.epoch, c.attempt, c.source_location, c.owner,
        EXISTS (SELECT 1 FROM dead_letters AS d WHERE d.pipeline = 'conversion'
                AND d.entity_ref = CAST(c.id AS text) AND d.status <> 'resolved') AS has_dead_letter
-FROM claimed AS c"""
+FROM claimed AS c""".replace("{due_ids}", DUE_IDS_SQL.format(limit=":window", now=":now"))
 
 # Fenced completion; the caller publishes the result file between this statement and COMMIT, while
 # the row lock keeps a reclaim away, so the file and the row agree.
@@ -290,7 +307,8 @@ WITH done AS (
     {{calls}}
 ), candidate AS (
     SELECT id FROM conversion_jobs
-    WHERE status = 'queued' AND (retry_after IS NULL OR retry_after <= $6)
+    WHERE id IN ({DUE_IDS_SQL.format(limit="($8 * 4 + 64)", now="$6")})
+      AND status = 'queued'
       AND NOT EXISTS (SELECT 1 FROM circuit_breakers WHERE name = $7 AND state = 'open')
     ORDER BY created_at, id
     LIMIT $8
@@ -441,7 +459,7 @@ def claim_many(conn: sa.Connection, worker: str, now: datetime, lease_ttl: float
     rows = conn.execute(
         sa.text(CLAIM_SQL.replace("LIMIT 1", "LIMIT :limit")),
         {"now": now, "worker": worker, "lease_expires_at": now + timedelta(seconds=lease_ttl), "breaker": breaker,
-         "limit": limit},
+         "limit": limit, "window": limit * 4 + 64},
     ).all()
     return sorted((Lease(str(r.id), r.epoch, r.attempt, r.source_location, r.owner, worker, r.has_dead_letter)
                    for r in rows), key=lambda lease: lease.job_id)
@@ -474,7 +492,8 @@ def lease_epochs(conn: sa.Connection, job_ids: Sequence[str]) -> dict[str, tuple
 def claim(conn: sa.Connection, worker: str, now: datetime, lease_ttl: float, breaker: str) -> Lease | None:
     row = conn.execute(
         sa.text(CLAIM_SQL),
-        {"now": now, "worker": worker, "lease_expires_at": now + timedelta(seconds=lease_ttl), "breaker": breaker},
+        {"now": now, "worker": worker, "lease_expires_at": now + timedelta(seconds=lease_ttl), "breaker": breaker,
+         "window": 64},
     ).first()
     if row is None:
         return None
