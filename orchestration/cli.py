@@ -306,7 +306,7 @@ def dlq_reconcile(limit: Annotated[int, typer.Option(help="at most this many per
     sources = {k: v for p in load_pipelines(settings) for k, v in p.failed_for_good.items()}
     with database_url() as url:
         runtime = Reliability(engine=engine_for(url),
-                              channels=notifier_from(settings).process_config_and_initialize().channels(),
+                              channels=notifier_from(settings).channels(),
                               burst_window=settings.alert_burst_window_seconds)
         repaired = reconcile(runtime, sources, limit=limit)
     for r in repaired:
@@ -325,7 +325,7 @@ def alerts_dispatch() -> None:
     settings = Settings()
     with database_url() as url:
         runtime = Reliability(engine=engine_for(url),
-                              channels=notifier_from(settings).process_config_and_initialize().channels(),
+                              channels=notifier_from(settings).channels(),
                               burst_window=settings.alert_burst_window_seconds)
         report = runtime.try_dispatch()
     typer.echo(f"{report}" if report else "no channel configured")

@@ -183,7 +183,11 @@ def replay(conn: sa.Connection, pipeline: str, entity_ref: str, *, dead_letter_i
     return conn.execute(
         sa.update(work_items)
         .where(work_items.c.pipeline == pipeline, work_items.c.entity_ref == entity_ref)
-        .values(status=DUE, due_at=now, attempts=sa.text("'{}'::jsonb"), lease_owner=None,
+        # fresh budgets from the failed stage on (completed stages keep their counts: their checkpoints
+        # are reused); a full restart starts every stage over
+        .values(status=DUE, due_at=now, lease_owner=None,
+                attempts=sa.text("'{}'::jsonb") if from_start else
+                work_items.c.attempts.op("-")(sa.func.coalesce(work_items.c.stage, "")),
                 payload=work_items.c.payload.op("||")(sa.cast(payload, JSONB)), updated_at=now)
     ).rowcount == 1
 

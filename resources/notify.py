@@ -125,5 +125,5 @@ class NotifierResource(ConfigurableResource):
             out["slack"] = slack
         recipients = tuple(a.strip() for a in (self.email_to or "").split(",") if a.strip())
         if recipients and self.mail_api_url:
-            out["email"] = EmailChannel(self.mail_api_url, recipients, self.email_from, self.mail_api_token)
+            out["email"] = EmailChannel(self.mail_api_url, recipients, self.email_from, resolved(self.mail_api_token))
         return out

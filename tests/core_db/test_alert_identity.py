@@ -77,7 +77,7 @@ def test_core_email_alerts_use_the_configured_mail_token(engine, monkeypatch: py
     try:
         monkeypatch.setenv("MAIL_API_TOKEN", "tok-not-the-default")
         settings = Settings(mail_api_url=f"{provider.url}/mail/v1", alert_email_to=OPS)
-        channels = {"email": notifier_from(settings).process_config_and_initialize().channels()["email"]}
+        channels = {"email": notifier_from(settings).channels()["email"]}
         clock = FrozenClock(START)
         Reliability(engine=engine, channels=channels, clock=clock).fail_for_good(_final(clock))
         with engine.connect() as conn:

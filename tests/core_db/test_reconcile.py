@@ -173,8 +173,8 @@ def test_evidence_source_repairs_a_settled_row_but_not_a_data_failure(engine) ->
     from tests.evidence.helpers import standard_job
 
     data, _ = standard_job("rc", 2, 2)
-    parsed = ev_policy.parse_archive(data, file_types=frozenset({"pdf", "png", "txt"}), max_file_bytes=10**7,
-                                     max_archive_bytes=10**9)
+    parsed = ev_policy.parse_archive(data, file_types=frozenset({"pdf", "png", "txt"}),
+                                     limits=ev_policy.ArchiveLimits(max_file_bytes=10**7, max_archive_bytes=10**9))
     job_id = ev_policy.file_job_id("bucket", "inbox/rc.zip", "etag")
     with engine.begin() as conn:
         job = ev_repo.upsert_file_job(conn, job_id, bucket="bucket", key="inbox/rc.zip", etag="etag",

@@ -13,7 +13,7 @@ from redrive.clock import FrozenClock
 from redrive.deadletters import FinalFailure
 from redrive.failures import Code, Failure
 from redrive.reliability import Reliability
-from resources.notify import NotifierResource
+from resources.notify import NotifierResource, SlackWebhookResource
 
 START = datetime(2026, 3, 8, 6, 0, tzinfo=UTC)
 CANARIES = {
@@ -31,7 +31,7 @@ TEXT = (f"charge of card {CANARIES['card']} (backup {CANARIES['card_dashed']}) t
 def test_pii_never_reaches_the_dead_letter_or_the_alerts(engine, sandbox) -> None:
     """A final failure carrying every new PII shape: the stored row and both messages hold only keyed markers."""
     sandbox_url = os.environ["SANDBOX_URL"]
-    channels = NotifierResource(slack_webhook_url=f"{sandbox_url}/slack/webhook/ops", email_to="ops@example.com",
+    channels = NotifierResource(slack=SlackWebhookResource(url=f"{sandbox_url}/slack/webhook/ops"), email_to="ops@example.com",
                                 mail_api_url=f"{sandbox_url}/mail/v1").channels()
     clock = FrozenClock(START)
     failure = Failure.of(Code.BAD_REQUEST, message=f"payment refused: {TEXT}", detail=TEXT)
