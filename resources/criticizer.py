@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import httpx
 from dagster import ConfigurableResource
 from pydantic import Field
 
 from redrive.clock import SystemClock
 from redrive.failures import Code, Failure, classify_http, raise_failure
+from resources.http import shared_client
 from resources.notify import SlackWebhookChannel
 
 
@@ -34,7 +34,7 @@ class CriticizerHttpResource(ConfigurableResource):
         if self.artifact_url_prefixes and not any(url.startswith(p) for p in self.artifact_url_prefixes):
             raise_failure(Failure.of(Code.POLICY_REJECTED, message="artifact URL is outside the allowed stores",
                                      retryable=False))
-        with httpx.Client(timeout=self.timeout_seconds) as client, client.stream("GET", url) as response:
+        with shared_client().stream("GET", url, timeout=self.timeout_seconds) as response:
             if response.is_error:
                 response.read()  # the classifier reads provider error codes and Retry-After from it
                 response.raise_for_status()
@@ -49,7 +49,7 @@ class CriticizerHttpResource(ConfigurableResource):
 
     def post_webhook(self, url: str, payload: Mapping[str, Any], headers: Mapping[str, str]) -> int:
         """POST the critique; returns the status, raises a classified failure on a non-2xx answer."""
-        response = httpx.post(url, json=dict(payload), headers=dict(headers), timeout=self.timeout_seconds)
+        response = shared_client().post(url, json=dict(payload), headers=dict(headers), timeout=self.timeout_seconds)
         if response.is_error:
             raise_failure(classify_http(response.status_code, response.content, response.headers, SystemClock().now()))
         return response.status_code

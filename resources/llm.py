@@ -15,6 +15,8 @@ import httpx
 from dagster import ConfigurableResource
 from pydantic import BaseModel
 
+from resources.http import shared_client
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -26,20 +28,17 @@ class LlmResource(ConfigurableResource):
 
     def chat_json(self, messages: list[dict[str, str]], schema: type[M], *, client: httpx.Client | None = None) -> M:
         body = {"model": self.model, "messages": messages, "response_format": {"type": "json_object"}}
-        own = client is None
-        http = client or httpx.Client(timeout=self.timeout_seconds)
+        http = client or shared_client()
         try:
             response = http.post(
                 f"{self.base_url.rstrip('/')}/chat/completions",
                 json=body,
                 headers={"Authorization": f"Bearer {self.api_key}"},
+                timeout=self.timeout_seconds,
             )
             response.raise_for_status()
             envelope: dict[str, Any] = json.loads(response.content)
             content = envelope["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError) as exc:
             raise json.JSONDecodeError(f"unexpected completion envelope: {type(exc).__name__}", "", 0) from exc
-        finally:
-            if own:
-                http.close()
         return schema.model_validate(json.loads(content))

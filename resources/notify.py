@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import httpx
 from dagster import ConfigurableResource
 from dagster_slack import SlackResource
 from pydantic import Field
@@ -19,6 +18,7 @@ from slack_sdk import WebClient
 from slack_sdk.webhook import WebhookClient
 
 from redrive.alerts import Channel
+from resources.http import shared_client
 from resources.secrets import resolved
 
 
@@ -68,7 +68,7 @@ class SlackWebhookChannel:
     name: str = "slack"
 
     def send(self, subject: str, text: str, token: str) -> str | None:
-        response = httpx.post(self.url, json={"text": text}, timeout=10)
+        response = shared_client().post(self.url, json={"text": text}, timeout=10)
         response.raise_for_status()
         return None
 
@@ -97,7 +97,7 @@ class EmailChannel:
     def send(self, subject: str, text: str, token: str) -> str | None:
         ids = []
         for recipient in self.recipients:
-            response = httpx.post(
+            response = shared_client().post(
                 f"{self.mail_url.rstrip('/')}/messages",
                 json={"to": recipient, "subject": subject, "text": text,
                       "idempotency_token": f"{token}:{recipient}"},
