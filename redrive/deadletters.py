@@ -285,17 +285,33 @@ def request_replay(
     return DeadLetter.from_row(updated)
 
 
-def replays_pending(conn: sa.Connection, limit: int = 50) -> list[DeadLetter]:
-    """Replays the replay sensor starts as runs: those of entities that have no work row."""
+def replays_pending(conn: sa.Connection, limit: int = 50, started: Mapping[int, int] | None = None) -> list[DeadLetter]:
+    """Replays the replay sensor starts as runs: those of entities that have no work row.
+
+    `started` maps letters whose replay run the sensor already requested to that replay's number;
+    they are left out while that replay is still the current one, so a backlog of a thousand replays
+    is walked through instead of the same first `limit` being listed every tick. A replay requested
+    again (its number is higher) comes round again.
+    """
     drained = sa.exists().where(work_items.c.pipeline == dead_letters.c.pipeline,
                                 work_items.c.entity_ref == dead_letters.c.entity_ref)
-    rows = conn.execute(
-        sa.select(dead_letters)
-        .where(dead_letters.c.status == REPLAYING, ~drained)
-        .order_by(dead_letters.c.updated_at)
-        .limit(limit)
-    )
+    query = sa.select(dead_letters).where(dead_letters.c.status == REPLAYING, ~drained)
+    if started:
+        pairs = sa.values(sa.column("id", sa.BigInteger), sa.column("replay_count", sa.Integer),
+                          name="started").data(list(started.items()))
+        query = query.where(~sa.exists().where(pairs.c.id == dead_letters.c.id,
+                                              pairs.c.replay_count == dead_letters.c.replay_count))
+    rows = conn.execute(query.order_by(dead_letters.c.updated_at, dead_letters.c.id).limit(limit))
     return [DeadLetter.from_row(r) for r in rows]
+
+
+def replays_still_current(conn: sa.Connection, started: Mapping[int, int]) -> dict[int, int]:
+    """Of the replays a sensor started, those whose letter is still replaying that same replay."""
+    if not started:
+        return {}
+    rows = conn.execute(sa.select(dead_letters.c.id, dead_letters.c.replay_count).where(
+        dead_letters.c.id.in_(list(started)), dead_letters.c.status == REPLAYING))
+    return {r.id: r.replay_count for r in rows if started.get(r.id) == r.replay_count}
 
 
 def close_after_success(conn: sa.Connection, pipeline: str, entity_ref: str, at: datetime) -> DeadLetter | None:

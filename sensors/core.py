@@ -9,7 +9,9 @@ shows a failed tick, never a silent "nothing new".
 
 # No `from __future__ import annotations`: Dagster reads config and resource types from live annotations.
 
-from collections.abc import Callable, Iterable, Mapping
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import dagster as dg
@@ -117,6 +119,9 @@ class ReplayTarget:
     job: dg.JobDefinition
     run_config: Callable[[str, Mapping[str, object]], dict]
     partition_key: Callable[[str], str | None] = lambda entity: None
+    # Several entities of one partition in one run, for pipelines whose replay is a cheap requeue:
+    # replaying a thousand letters is then a few runs, not a thousand.
+    batch_run_config: Callable[[Sequence[str]], dict] | None = None
 
     @property
     def job_name(self) -> str:
@@ -161,18 +166,62 @@ def replay_run_request(letter: DeadLetter, target: ReplayTarget) -> dg.RunReques
     )
 
 
-def dead_letter_replay_sensor(targets: Mapping[str, ReplayTarget], *, limit: int = 50,
+def batch_replay_run_request(pipeline: str, partition: str | None, letters: Sequence[DeadLetter],
+                             target: ReplayTarget) -> dg.RunRequest:
+    """One run for several letters of one pipeline and partition; its key names exactly those replays."""
+    assert target.batch_run_config is not None
+    replays = sorted((letter.id, letter.replay_count) for letter in letters)
+    digest = hashlib.sha256(json.dumps(replays).encode()).hexdigest()[:16]
+    return dg.RunRequest(
+        run_key=f"{pipeline}:replay-batch:{partition or '-'}:{digest}",
+        job_name=target.job_name,
+        run_config=target.batch_run_config([letter.entity_ref for letter in letters]),
+        partition_key=partition,
+        tags={PIPELINE_TAG: pipeline, REPLAY_TAG: ",".join(str(i) for i, _ in replays)[:200],
+              "redrive/replays": str(len(replays))},
+    )
+
+
+def replay_run_requests(pending: Sequence[DeadLetter], targets: Mapping[str, ReplayTarget], *,
+                        max_single: int = 50) -> tuple[list[dg.RunRequest], list[DeadLetter]]:
+    """A run per replayed letter (at most `max_single` a tick), or one per pipeline and partition where the
+    target takes a batch; with the letters those runs replay."""
+    requests, taken, batches = [], [], {}
+    for letter in pending:
+        target = targets.get(letter.pipeline)
+        if target is None:
+            continue
+        if target.batch_run_config is not None:
+            batches.setdefault((letter.pipeline, target.partition_key(letter.entity_ref)), []).append(letter)
+        elif len(requests) < max_single:
+            requests.append(replay_run_request(letter, target))
+        else:
+            continue  # the next tick
+        taken.append(letter)
+    for (pipeline, partition), letters in batches.items():
+        requests.append(batch_replay_run_request(pipeline, partition, letters, targets[pipeline]))
+    return requests, taken
+
+
+def dead_letter_replay_sensor(targets: Mapping[str, ReplayTarget], *, limit: int = 500,
                               minimum_interval_seconds: int = 15) -> dg.SensorDefinition:
+    """Replays as runs. The cursor remembers which replays it started, so the next tick takes the next ones;
+    a lost cursor starts them again — per-letter run keys dedupe those, and a batch replay is a requeue,
+    which is idempotent."""
     jobs = list({t.job_name: t.job for t in targets.values()}.values())
 
     @dg.sensor(name="redrive_dead_letter_replays", jobs=jobs, minimum_interval_seconds=minimum_interval_seconds, default_status=dg.DefaultSensorStatus.RUNNING,
-               description="Starts a run for each dead letter an operator asked to replay (`redrive dlq replay`).")
+               description="Starts runs for the dead letters an operator asked to replay (`redrive dlq replay`): "
+                           "one per letter, or one per pipeline and partition where replay is a requeue.")
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
         runtime = reliability.runtime()
+        started = {int(k): v for k, v in json.loads(context.cursor or "{}").items()}
         with runtime.engine.connect() as conn:
-            pending = deadletters.replays_pending(conn, limit=limit)
-        requests = [replay_run_request(letter, targets[letter.pipeline])
-                    for letter in pending if letter.pipeline in targets]
+            started = deadletters.replays_still_current(conn, started)
+            pending = deadletters.replays_pending(conn, limit=limit, started=started)
+        requests, taken = replay_run_requests(pending, targets)
+        started.update({letter.id: letter.replay_count for letter in taken})
+        context.update_cursor(json.dumps({str(k): v for k, v in started.items()}))
         return requests or dg.SkipReason("no replay requested")
 
     return _sensor

@@ -13,6 +13,7 @@ probes when one is due, and a replay only requeues a job that is still ``failed`
 
 import signal
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import dagster as dg
@@ -90,7 +91,8 @@ def probe_gateway(context: dg.OpExecutionContext, reliability: ReliabilityResour
 
 
 class ReplayConfig(dg.Config):
-    job_id: str
+    job_id: str | None = None
+    job_ids: list[str] = []  # a batch of replays (the core's replay sensor)
     replay_of: int | None = None
 
 
@@ -98,27 +100,39 @@ class ReplayConfig(dg.Config):
 @sanitized_body
 def requeue_failed_job(context: dg.OpExecutionContext, config: ReplayConfig, reliability: ReliabilityResource,
                        conversion: ConversionResource) -> None:
-    """Replay of a dead-lettered conversion: the failed job goes back to `queued` with a fresh attempt budget."""
+    """Replay of dead-lettered conversions: each failed job goes back to `queued` with a fresh attempt budget.
+
+    One job's refusal (gone, source missing) does not stop the others; the run fails at the end, naming
+    the refused jobs, so their letters stay visible to the operator.
+    """
     runtime = reliability.runtime()
     settings = settings_of(conversion)
     files = FileStore(settings.uploads_dir, settings.results_dir)
-    with runtime.engine.begin() as conn:
-        job = repo.get(conn, config.job_id)
-        if job is None:
-            raise dg.Failure(description=f"conversion job {config.job_id} does not exist", allow_retries=False)
-        if job.status == "succeeded":  # done meanwhile (a user's retry): the dead letter closes
-            runtime.succeeded(PIPELINE, job.id)
-            context.log.info(f"{job.id} already succeeded; dead letter closed")
-            return
-        if job.status in ("queued", "processing"):
-            context.log.info(f"{job.id} is already {job.status}; its completion closes the dead letter")
-            return
-        try:
-            repo.manual_retry(conn, job.id, None, runtime.now(), files.source_present(job.source_location),
-                              reason=f"replay:{config.replay_of}")
-        except repo.RetryRefused as refused:
-            raise dg.Failure(description=f"{refused.code}: {refused.message}", allow_retries=False) from None
-    context.log.info(f"{job.id} requeued by replay of dead letter {config.replay_of}; a worker run converts it")
+    reason = f"replay:{config.replay_of}" if config.replay_of is not None else "replay"
+    refused: list[str] = []
+    for job_id in ([config.job_id] if config.job_id else []) + list(config.job_ids):
+        with runtime.engine.begin() as conn:
+            job = repo.get(conn, job_id)
+            if job is None:
+                refused.append(f"{job_id}: does not exist")
+                continue
+            if job.status == "succeeded":  # done meanwhile (a user's retry): the dead letter closes
+                runtime.succeeded(PIPELINE, job.id)
+                context.log.info(f"{job.id} already succeeded; dead letter closed")
+                continue
+            if job.status in ("queued", "processing"):
+                context.log.info(f"{job.id} is already {job.status}; its completion closes the dead letter")
+                continue
+            try:
+                repo.manual_retry(conn, job.id, None, runtime.now(), files.source_present(job.source_location),
+                                  reason=reason)
+            except repo.RetryRefused as exc:
+                refused.append(f"{job_id}: {exc.code}: {exc.message}")
+                continue
+        context.log.info(f"{job.id} requeued by {reason}; a worker run converts it")
+    if refused:
+        raise dg.Failure(description=f"replay refused for {len(refused)} job(s): " + "; ".join(refused[:20]),
+                         allow_retries=False)
 
 
 @dg.job(tags=TAGS)
@@ -141,6 +155,10 @@ def conversion_replay_job() -> None:
 
 def replay_run_config(entity_ref: str, extra: Any) -> dict:
     return {"ops": {"requeue_failed_job": {"config": {"job_id": entity_ref, "replay_of": extra.get("replay_of")}}}}
+
+
+def batch_replay_run_config(entity_refs: Sequence[str]) -> dict:
+    return {"ops": {"requeue_failed_job": {"config": {"job_ids": list(entity_refs)}}}}
 
 
 def worker_run_config(**overrides: Any) -> dict:

@@ -9,6 +9,7 @@ is one transaction serialized per tenant.
 # No `from __future__ import annotations`: Dagster reads config and resource types from live annotations.
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import dagster as dg
@@ -153,3 +154,9 @@ def requeue_run_config(document_id: str, extra: dict[str, Any]) -> dict[str, Any
     allowed = {k: v for k, v in extra.items() if k in RequeueConfig.model_fields and k != "document_ids"}
     ids = [] if document_id.startswith("sqs-message:") else [document_id]
     return {"ops": {"requeue_for_matching": {"config": {"document_ids": ids, **allowed}}}}
+
+
+def batch_requeue_run_config(document_ids: Sequence[str]) -> dict[str, Any]:
+    """Several replays in one run: their documents published again (a quarantined message has none)."""
+    ids = [d for d in document_ids if not d.startswith("sqs-message:")]
+    return {"ops": {"requeue_for_matching": {"config": {"document_ids": ids}}}}

@@ -12,7 +12,7 @@ everything else; its rerun touches only those users.
 
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,12 @@ def replay_run_config(entity_ref: str, extra: Mapping[str, object]) -> dict[str,
     _, user_id = policy.parse_entity_ref(entity_ref)
     values = {k: v for k, v in extra.items() if v is not None}
     return entity_run_config(MatchmakingRunConfig, [ASSET], **values, user_ids=[user_id] if user_id else [])
+
+
+def batch_replay_run_config(entity_refs: Sequence[str]) -> dict[str, Any]:
+    """Several replays of one partition in one run: their users, or the whole partition if one letter is."""
+    users = [policy.parse_entity_ref(ref)[1] for ref in entity_refs]
+    return entity_run_config(MatchmakingRunConfig, [ASSET], user_ids=[] if None in users else sorted(set(users)))
 
 
 def replay_partition_key(entity_ref: str) -> str:

@@ -89,7 +89,7 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
         deadletters.request_replay(conn, letters[first_bad].id, evidence="DEMO-4: profile age range corrected",
                                    confirm_safe=True, at=SystemClock().now(), operator="demo")
     requests = evaluate_sensor(defs, ctx.instance, "redrive_dead_letter_replays")
-    mine_requests = [r for r in requests if r.tags.get("redrive/replay_of") == str(letters[first_bad].id)]
+    mine_requests = [r for r in requests if str(letters[first_bad].id) in r.tags.get("redrive/replay_of", "").split(",")]
     assert len(mine_requests) == 1, "the replay sensor did not request the user's run"
     request = mine_requests[0]
     replay = run(partition_key=request.partition_key, run_config=request.run_config,

@@ -20,5 +20,6 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
         resources={"conversion": ConversionResource.from_settings(knobs, knobs.gateway_base_url(settings))},
         failed_for_good={PIPELINE: repository.failed_for_good},
         replay_targets={PIPELINE: ReplayTarget(job=pipeline.conversion_replay_job,
-                                               run_config=pipeline.replay_run_config)},
+                                               run_config=pipeline.replay_run_config,
+                                               batch_run_config=pipeline.batch_replay_run_config)},
     )

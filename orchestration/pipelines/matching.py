@@ -45,5 +45,6 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
         resources={"matching": matching_resource(settings, matching)},
         failed_for_good={PIPELINE: repository.failed_for_good},
         replay_targets={PIPELINE: ReplayTarget(job=pipeline.matching_requeue_job,
-                                               run_config=pipeline.requeue_run_config)},
+                                               run_config=pipeline.requeue_run_config,
+                                               batch_run_config=pipeline.batch_requeue_run_config)},
     )

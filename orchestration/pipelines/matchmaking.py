@@ -20,5 +20,6 @@ def pipeline_defs(settings: Settings, matchmaking: MatchmakingSettings | None = 
         schedules=[matchmaking_schedule(built.job, mm.timezones, mm.offer_hour, mm.start_date)],
         # dead letters are per user ({date}:{tz}:{user}) or, for a failed load, per partition ({date}:{tz})
         replay_targets={pipeline.PIPELINE: ReplayTarget(job=built.job, run_config=pipeline.replay_run_config,
-                                                        partition_key=pipeline.replay_partition_key)},
+                                                        partition_key=pipeline.replay_partition_key,
+                                                        batch_run_config=pipeline.batch_replay_run_config)},
     )

@@ -122,3 +122,55 @@ def test_dead_letter_replay_requeues_and_the_next_worker_run_closes_it(conv_defs
     assert job(engine, job_id).status == "succeeded"
     with engine.connect() as conn:
         assert conn.execute(sa.select(dead_letters.c.status)).scalar() == "resolved"
+
+
+def _replay_tick(defs, instance, sensor, cursor):
+    with dg.build_sensor_context(instance=instance, resources=defs.resources, cursor=cursor,
+                                 repository_def=defs.get_repository_def()) as context:
+        data = sensor.evaluate_tick(context)
+    return list(data.run_requests or []), data.cursor
+
+
+def test_replays_of_a_requeue_pipeline_are_batched_and_the_cursor_walks_the_backlog(
+        conv_defs, instance, engine, submit, sandbox, clock) -> None:
+    """60 dead letters replayed: ticks of 25 give three requeue runs (25, 25, 10), not 60; a fourth tick starts nothing;
+    a letter whose replay failed again and is replayed once more comes round in the next tick."""
+    from orchestration.pipelines.conversion import pipeline_defs
+    from redrive import deadletters
+    from redrive.settings import Settings
+    from sensors.core import REPLAY_TAG, dead_letter_replay_sensor
+
+    ids = [submit(name=f"doc-{i}.pdf") for i in range(60)]
+    sandbox.script("pdf.convert", *[{"status": 400}] * 60)
+    assert launch(conv_defs, instance, sensor_requests(conv_defs, instance)[0]).success
+    assert {job(engine, i).status for i in ids} == {"failed"}
+    with engine.begin() as conn:
+        letters = conn.execute(sa.select(dead_letters.c.id, dead_letters.c.entity_ref)
+                               .where(dead_letters.c.pipeline == "conversion")).all()
+        for letter in letters:
+            deadletters.request_replay(conn, letter.id, evidence="INC-9: gateway mapping fixed", confirm_safe=True,
+                                       at=clock.now())
+    assert len(letters) == 60
+
+    sensor = dead_letter_replay_sensor(pipeline_defs(Settings()).replay_targets, limit=25)
+    cursor, batches = None, []
+    for _ in range(4):
+        requests, cursor = _replay_tick(conv_defs, instance, sensor, cursor)
+        batches.append(requests)
+    assert [len(b) for b in batches] == [1, 1, 1, 0]
+    requeued = [r.run_config["ops"]["requeue_failed_job"]["config"]["job_ids"] for [r] in batches[:3]]
+    assert [len(b) for b in requeued] == [25, 25, 10]
+    assert sorted(sum(requeued, [])) == sorted(ids)  # each letter once
+    for [request] in batches[:3]:
+        assert request.tags[REPLAY_TAG] and launch(conv_defs, instance, request).success
+    assert {job(engine, i).status for i in ids} == {"queued"}
+
+    sandbox.script("pdf.convert", *[{"status": 400}] * 60)  # the replays fail again: letters leave replaying
+    assert launch(conv_defs, instance, sensor_requests(conv_defs, instance)[0]).success
+    again = next(letter for letter in letters if letter.entity_ref == ids[7])
+    with engine.begin() as conn:
+        assert deadletters.get(conn, again.id).status == "escalated"  # the same class after a replay (§8.5)
+        deadletters.request_replay(conn, again.id, evidence="INC-9 second fix", confirm_safe=True, at=clock.now())
+    [[request], cursor] = _replay_tick(conv_defs, instance, sensor, cursor)
+    assert request.run_config["ops"]["requeue_failed_job"]["config"]["job_ids"] == [ids[7]]
+    assert _replay_tick(conv_defs, instance, sensor, cursor)[0] == []

@@ -135,7 +135,9 @@ def test_dead_letter_replay_requeues_and_success_closes_it(mdefs, instance, engi
     out = cli(db_url, "dlq", "replay", str(letter_id), "--note", "INC-7: LLM key rotated", "--confirm-safe")
     assert out.exit_code == 0, out.output
     [request] = tick(mdefs, instance, "redrive_dead_letter_replays")
-    assert request.run_key == "matching:run:p-2:replay-1" and request.job_name == "matching_requeue_job"
+    assert request.run_key.startswith("matching:replay-batch:") and request.job_name == "matching_requeue_job"
+    assert request.run_config["ops"]["requeue_for_matching"]["config"]["document_ids"] == ["p-2"]
+    assert request.tags["redrive/replay_of"] == str(letter_id)
     assert launch(mdefs, instance, request).success
     assert row(engine, "p-2")["matching_status"] == "pending"
 
