@@ -106,7 +106,7 @@ def database_url() -> Iterator[str]:
         yield url
         return
     from redrive.settings import Settings
-    from resources.database import database_session
+    from resources.postgres import database_session
 
     with database_session(Settings()) as url:
         yield url

@@ -21,7 +21,6 @@ import typer
 
 from assets.evidence import repository as repo
 from assets.evidence import service
-from assets.evidence.settings import EvidenceSettings
 
 app = typer.Typer(help="evidence file jobs: show, force-n2", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False)
@@ -33,7 +32,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")
 def engine() -> Iterator[sa.Engine]:
     from redrive.db import engine_for
     from redrive.settings import Settings
-    from resources.database import database_session
+    from resources.postgres import database_session
 
     with database_session(Settings()) as url:
         yield engine_for(url)
@@ -90,6 +89,7 @@ def force_n2(file_job: Annotated[str, typer.Argument(help="file job id")],
     if not note.strip():
         fail("say why with --note (ticket and reason); it is logged with the forced N2")
     job_id = job_id_of(file_job)
+    from assets.evidence.settings import EvidenceSettings  # (defines a Dagster resource: only where it is needed)
     from redrive.clock import SystemClock
 
     knobs = EvidenceSettings()

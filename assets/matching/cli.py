@@ -35,7 +35,7 @@ SHOWN = ("id", "tenant", "matching_status", "matching_attempts", "matching_start
 def engine() -> Iterator[sa.Engine]:
     from redrive.db import engine_for
     from redrive.settings import Settings
-    from resources.database import database_session
+    from resources.postgres import database_session
 
     with database_session(Settings()) as url:
         yield engine_for(url)
