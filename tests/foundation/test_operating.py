@@ -297,7 +297,7 @@ def evidence_job_waiting_for_retry(engine: sa.Engine, settings: Any, sandbox: An
     from resources.evidence import CaseApiResource, MerchantMailResource
     from tests.evidence.helpers import standard_job
 
-    runtime = runtime_of(engine, settings)
+    runtime = runtime_of(engine, settings, time_scale=1.0)  # retries 5 min away: none falls due within the drain
     data, _ = standard_job("ops", 2, 2)
     parsed = policy.parse_archive(data, file_types=frozenset({"pdf", "png", "txt"}),
                                   limits=policy.ArchiveLimits(max_file_bytes=10**7, max_archive_bytes=10**9))
