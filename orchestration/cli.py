@@ -6,6 +6,7 @@
     redrive dlq replay-bulk --pipeline P --error-class C [--since …] --rate 2 --note … --confirm-safe
     redrive dlq resolve ID --note "redone by hand"
     redrive dlq reconcile [--limit N]
+    redrive breaker [--window N] [--json]
     redrive alerts dispatch
     redrive db upgrade | downgrade
 
@@ -17,6 +18,7 @@ never a stack trace.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,7 +32,7 @@ if TYPE_CHECKING:  # the heavy modules load inside the commands that use them: `
 
     import sqlalchemy as sa
 
-    from redrive.deadletters import DeadLetter
+    from redrive.deadletter_reads import DeadLetter
 
 
 class _PipelineCommand(TyperCommand):
@@ -97,17 +99,16 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")
 
 @contextmanager
 def database_url() -> Iterator[str]:
-    """DATABASE_URL as it is (the deployed case, no Dagster import); unset, the embedded server for this command."""
-    from redrive.db import normalize_url
-    from redrive.settings import Settings
-
-    settings = Settings()
-    if settings.database_url:
-        yield normalize_url(settings.database_url)
+    """DATABASE_URL as it is (the deployed case: no settings, no Dagster import); unset, the embedded server for
+    this command."""
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        yield url
         return
-    from resources.database import database_session
+    from redrive.settings import Settings
+    from resources.postgres import database_session
 
-    with database_session(settings) as url:
+    with database_session(Settings()) as url:
         yield url
 
 
@@ -117,6 +118,23 @@ def connection() -> Iterator[sa.Connection]:
 
     with database_url() as url, engine_for(url).begin() as conn:
         yield conn
+
+
+@contextmanager
+def reading() -> Iterator[Any]:
+    """A read-only psycopg2 cursor for `dlq list/show`: the core's read queries (redrive.deadletter_reads) without
+    loading SQLAlchemy, so an operator's look answers in a fraction of a second."""
+    import psycopg2
+
+    with database_url() as url:
+        scheme, sep, rest = url.partition("://")
+        conn = psycopg2.connect(scheme.split("+")[0] + sep + rest)  # libpq knows no "+psycopg2"
+        try:
+            conn.set_session(readonly=True, autocommit=True)
+            with conn.cursor() as cursor:
+                yield cursor
+        finally:
+            conn.close()
 
 
 def fail(message: str) -> None:
@@ -134,11 +152,11 @@ def check_pipeline(pipeline: str | None) -> None:
 
 
 def check_statuses(statuses: list[str]) -> None:
-    from redrive.schema import DEAD_LETTER_STATUSES
+    from redrive.deadletter_reads import STATUSES
 
     for status in statuses:
-        if status not in DEAD_LETTER_STATUSES:
-            fail(f"unknown status {status!r}; one of: {', '.join(DEAD_LETTER_STATUSES)}")
+        if status not in STATUSES:
+            fail(f"unknown status {status!r}; one of: {', '.join(STATUSES)}")
 
 
 def table(rows: list[DeadLetter]) -> str:
@@ -194,23 +212,23 @@ def dlq_list(
     """Dead letters, newest failure first (open and escalated by default)."""
     check_pipeline(pipeline)
     check_statuses(status or [])
-    from redrive import deadletters
+    from redrive import deadletter_reads as reads
 
-    flt = deadletters.Filter(pipeline=pipeline, error_class=error_class,
-                             statuses=tuple(status) if status else (deadletters.OPEN, deadletters.ESCALATED,
-                                                                    deadletters.REPLAYING), limit=limit)
-    with connection() as conn:
-        rows = deadletters.list_(conn, flt)
+    flt = reads.Filter(pipeline=pipeline, error_class=error_class,
+                       statuses=tuple(status) if status else (reads.OPEN, reads.ESCALATED, reads.REPLAYING),
+                       limit=limit)
+    with reading() as cursor:
+        rows = reads.list_(cursor, flt)
     typer.echo(json.dumps([r.as_json() for r in rows], default=str, indent=2) if as_json else table(rows))
 
 
 @dlq.command("show")
 def dlq_show(dead_letter_id: int, as_json: JsonOpt = False) -> None:
     """Everything triage needs (§8.5): error class, stage, attempts, context, stack, notes."""
-    from redrive import deadletters
+    from redrive import deadletter_reads as reads
 
-    with connection() as conn:
-        letter = deadletters.get(conn, dead_letter_id)
+    with reading() as cursor:
+        letter = reads.get(cursor, dead_letter_id)
     if letter is None:
         fail(f"dead letter {dead_letter_id} does not exist")
     typer.echo(json.dumps(letter.as_json(), default=str, indent=2) if as_json else show_text(letter))
@@ -312,6 +330,33 @@ def dlq_reconcile(limit: Annotated[int, typer.Option(help="at most this many per
     for r in repaired:
         typer.echo(f"{r.pipeline} {r.entity_ref}: dead letter {r.dead_letter_id} written")
     typer.echo(f"{len(repaired)} repaired ({', '.join(sources)} checked)")
+
+
+@app.command("breaker")
+def breaker_status(
+    window: Annotated[int, typer.Option(help="calls in the window (the guarded pipeline's CIRCUIT_WINDOW)")] = 20,
+    as_json: JsonOpt = False,
+) -> None:
+    """Each circuit breaker: open or closed, since when, last probe, failures in its window."""
+    from redrive import breaker
+    from redrive.clock import SystemClock
+
+    now = SystemClock().now()
+    with connection() as conn:
+        rows = [(s, breaker.window(conn, s.name, s.window_floor, window)) for s in breaker.all_states(conn)]
+    out = [{"name": s.name, "state": s.state, "opened_at": s.opened_at, "last_probe_at": s.last_probe_at,
+            "open_count": s.open_count, "open_seconds": round(s.open_seconds(now), 1),
+            "window_calls": len(calls), "window_failures": calls.count(False)} for s, calls in rows]
+    if as_json:
+        typer.echo(json.dumps(out, default=str, indent=2))
+        return
+    if not out:
+        typer.echo("no breaker has guarded a call yet")
+    for b in out:
+        since = f" since {b['opened_at']:%Y-%m-%d %H:%M:%S}" if b["state"] == "open" else ""
+        probe = f", last probe {b['last_probe_at']:%H:%M:%S}" if b["last_probe_at"] else ""
+        typer.echo(f"{b['name']}: {b['state']}{since}{probe}; {b['window_failures']} of the last "
+                   f"{b['window_calls']} calls failed; opened {b['open_count']} times, {b['open_seconds']} s open")
 
 
 @alerts_app.command("dispatch")

@@ -58,10 +58,10 @@ PIPELINES: tuple[Pipeline, ...] = (
     _pipeline("rehearsal"),
     _pipeline("conversion", worker="assets.conversion.worker:worker_app"),  # `redrive worker conversion`
     _pipeline("criticizer", criticizer="assets.criticizer.cli:app"),
-    _pipeline("matching"),
+    _pipeline("matching", matching="assets.matching.cli:app"),
     _pipeline("matchmaking"),
     _pipeline("review_notifications", review="assets.review_notifications.cli:app"),
-    _pipeline("evidence"),
+    _pipeline("evidence", evidence="assets.evidence.cli:app"),
 )
 
 # Core modules with tables of their own besides redrive.schema.

@@ -185,6 +185,12 @@ def get_state(conn: sa.Connection, name: str) -> BreakerState:
                         row.open_seconds_total, row.window_floor)
 
 
+def all_states(conn: sa.Connection) -> list[BreakerState]:
+    """Every breaker that has guarded a call, by name (what `redrive breaker` shows)."""
+    names = conn.execute(sa.select(circuit_breakers.c.name).order_by(circuit_breakers.c.name)).scalars().all()
+    return [get_state(conn, name) for name in names]
+
+
 def window(conn: sa.Connection, name: str, floor: int, size: int) -> list[bool]:
     """Outcomes of the newest ``size`` calls after ``floor``, newest first."""
     rows = conn.execute(

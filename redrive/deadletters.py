@@ -8,7 +8,7 @@ goes in is sanitized here, at the only door, so no caller can forget.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -20,55 +20,18 @@ from redrive.sanitize import sanitize_context, sanitize_text
 from redrive import work
 from redrive.schema import dead_letters, work_items
 
+# the record, the filter and the read queries live where a reader needs no SQLAlchemy (`redrive dlq list`)
+from redrive.deadletter_reads import ESCALATED, OPEN, REPLAYING, RESOLVED, DeadLetter, Filter
+from redrive.deadletter_reads import GET_SQL, LIST_SQL, list_params
+
 if TYPE_CHECKING:  # an annotation only: reading dead letters need not load every client library failures knows
     from redrive.failures import Failure
 
-OPEN, REPLAYING, ESCALATED, RESOLVED = "open", "replaying", "escalated", "resolved"
 FROM_FAILED_STAGE, FROM_START = "failed_stage", "start"
 
 
 class ReplayRefused(Exception):
     """The operator asked for a replay that §8.5 does not allow yet; the message says why."""
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    id: int
-    pipeline: str
-    stage: str
-    entity_ref: str
-    tenant: str | None
-    error_class: str
-    error_message: str
-    retryable: bool
-    last_stack: str
-    sanitized_context: Mapping[str, Any]
-    payload_ref: Mapping[str, Any]
-    attempts: int
-    stage_attempts: Mapping[str, int]
-    upstream_status: int | None
-    first_failure_at: datetime
-    last_failure_at: datetime
-    occurrences: int
-    status: str
-    replay_count: int
-    replay_from: str | None
-    remediation_evidence: str | None
-    notes: Sequence[Mapping[str, Any]]
-    run_id: str | None
-    escalated_at: datetime | None
-    resolved_at: datetime | None
-
-    @classmethod
-    def from_row(cls, row: sa.Row[Any]) -> DeadLetter:
-        m = row._mapping
-        return cls(**{f: m[f] for f in cls.__dataclass_fields__})
-
-    def as_json(self) -> dict[str, Any]:
-        out = {}
-        for key, value in self.__dict__.items():
-            out[key] = value.isoformat() if isinstance(value, datetime) else value
-        return out
 
 
 @dataclass(frozen=True)
@@ -193,7 +156,7 @@ def unrecorded(pipeline: str, entity_ref: sa.ColumnElement[Any],
 
 
 def get(conn: sa.Connection, dead_letter_id: int) -> DeadLetter | None:
-    row = conn.execute(sa.select(dead_letters).where(dead_letters.c.id == dead_letter_id)).first()
+    row = conn.exec_driver_sql(GET_SQL, {"id": dead_letter_id}).first()
     return DeadLetter.from_row(row) if row else None
 
 
@@ -212,29 +175,9 @@ def active_for(conn: sa.Connection, pipeline: str, entity_ref: str) -> DeadLette
     return DeadLetter.from_row(row) if row else None
 
 
-@dataclass(frozen=True)
-class Filter:
-    pipeline: str | None = None
-    error_class: str | None = None
-    statuses: Sequence[str] = (OPEN, ESCALATED)
-    since: datetime | None = None
-    until: datetime | None = None
-    limit: int = 100
-
-
 def list_(conn: sa.Connection, flt: Filter = Filter()) -> list[DeadLetter]:
-    q = sa.select(dead_letters).order_by(dead_letters.c.last_failure_at.desc(), dead_letters.c.id.desc())
-    if flt.pipeline:
-        q = q.where(dead_letters.c.pipeline == flt.pipeline)
-    if flt.error_class:
-        q = q.where(dead_letters.c.error_class == flt.error_class)
-    if flt.statuses:
-        q = q.where(dead_letters.c.status.in_(list(flt.statuses)))
-    if flt.since:
-        q = q.where(dead_letters.c.last_failure_at >= flt.since)
-    if flt.until:
-        q = q.where(dead_letters.c.last_failure_at < flt.until)
-    return [DeadLetter.from_row(r) for r in conn.execute(q.limit(flt.limit))]
+    """Dead letters by filter, newest failure first (the same query `redrive dlq list` runs on psycopg2)."""
+    return [DeadLetter.from_row(r) for r in conn.exec_driver_sql(LIST_SQL, list_params(flt))]
 
 
 def request_replay(

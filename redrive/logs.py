@@ -9,11 +9,19 @@ records pass, so redaction happens there, once, before any handler formats them.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
-from redrive.sanitize import SanitizingFilter
+if TYPE_CHECKING:
+    from redrive.sanitize import SanitizingFilter
 
-_FILTER = SanitizingFilter()
+
+@cache
+def _filter() -> SanitizingFilter:
+    """Built with the first record: the sanitizer's patterns cost a command that logs nothing (`redrive --help`)."""
+    from redrive.sanitize import SanitizingFilter
+
+    return SanitizingFilter()
 
 
 def install() -> None:
@@ -24,7 +32,7 @@ def install() -> None:
 
     def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = previous(*args, **kwargs)
-        _FILTER.filter(record)
+        _filter().filter(record)
         return record
 
     factory.redrive_sanitizing = True  # type: ignore[attr-defined]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
+from redrive.deadletter_reads import STATUSES
+
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -22,7 +24,7 @@ TZ = sa.DateTime(timezone=True)
 NOW = sa.text("now()")
 
 # A dead letter is a documented *state* of an entity's work (River), one active row per entity.
-DEAD_LETTER_STATUSES = ("open", "replaying", "escalated", "resolved")
+DEAD_LETTER_STATUSES = STATUSES  # redrive.deadletter_reads: the one list
 
 dead_letters = sa.Table(
     "dead_letters",

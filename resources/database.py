@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import sqlalchemy as sa
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from redrive.db import engine_for, normalize_url, upgrade_head
+from redrive.db import engine_for
 from redrive.settings import Settings
+from resources.postgres import database_session, resolve_database_url  # commands use these without Dagster
 from resources.secrets import resolved
+
+__all__ = ["PostgresResource", "database_session", "resolve_database_url"]
 
 
 class PostgresResource(ConfigurableResource):
@@ -26,34 +26,3 @@ class PostgresResource(ConfigurableResource):
 
     def engine(self) -> sa.Engine:
         return engine_for(self.url())
-
-
-def resolve_database_url(settings: Settings) -> str:
-    """DATABASE_URL when set; otherwise the embedded PostgreSQL in the project's data folder."""
-    if settings.database_url:
-        return normalize_url(settings.database_url)
-    from devstack.postgres import EmbeddedPostgres, create_database, with_database
-
-    admin = EmbeddedPostgres(settings.redrive_data_dir / "pg").start()
-    create_database(admin, "redrive")
-    return with_database(admin, "redrive")
-
-
-@contextmanager
-def database_session(settings: Settings) -> Iterator[str]:
-    """The database URL for one command; an embedded server started for it is stopped after."""
-    if settings.database_url:
-        yield normalize_url(settings.database_url)
-        return
-    from devstack.postgres import EmbeddedPostgres, create_database, with_database
-
-    pg = EmbeddedPostgres(settings.redrive_data_dir / "pg")
-    admin = pg.start()
-    try:
-        create_database(admin, "redrive")
-        url = with_database(admin, "redrive")
-        upgrade_head(url)
-        yield url
-    finally:
-        engine_for.cache_clear()  # type: ignore[attr-defined]
-        pg.stop()

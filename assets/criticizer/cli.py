@@ -23,7 +23,7 @@ import typer
 
 from assets.criticizer import api, repository
 from redrive.db import engine_for
-from resources.database import database_session
+from resources.postgres import database_session
 from redrive.settings import Settings
 
 app = typer.Typer(help="criticizer requests: submit, status, list", no_args_is_help=True, add_completion=False,

@@ -124,18 +124,49 @@ def force_overdue_n2(engine: sa.Engine, *, now: datetime, timeout: timedelta, ma
     forced: list[UUID] = []
     with engine.begin() as conn:
         for job in repo.overdue_n2_jobs(conn, cutoff=now - timeout, limit=limit):
-            with conn.begin_nested():
-                if repo.lock_all_rows(conn, job.id) is None:
-                    continue
-                still_open = repo.open_rows(conn, job.id)
-                closed = repo.close_open_artifacts(conn, job.id, now) if mark_permanent else []
-                rows = sorted(set(closed), key=str)
-                for row in rows:
-                    repo.refresh_row(conn, job.id, row, now)
-                if request_notifications(conn, job.id, now, forced=ForcedClose(rows, len(closed))):
-                    forced.append(job.id)
-                work.poke(conn, PIPELINE, [policy.row_entity(job.id, r) for r in still_open], now=now)
+            if _force_n2(conn, job.id, now, mark_permanent):
+                forced.append(job.id)
     return forced
+
+
+class N2NotForced(Exception):
+    """An operator's forced N2 that cannot happen now; the message says why, in one line."""
+
+
+def force_n2_now(engine: sa.Engine, job_id: UUID, *, now: datetime, mark_permanent: bool) -> repo.FileJob:
+    """The deadline's forced N2 for one file job, before the deadline (an operator's decision).
+
+    Same steps as the deadline: what is still retryable closes, the touched rows fall due, and the
+    next drain run of the file job dead-letters the closed rows and sends N2.
+    """
+    with engine.begin() as conn:
+        job = repo.get_file_job(conn, job_id, lock=True)
+        if job is None:
+            raise N2NotForced(f"file job {job_id} does not exist")
+        if job.n2_requested_at is not None:
+            raise N2NotForced(f"file job {job_id} already has its N2 (requested {job.n2_requested_at:%Y-%m-%d %H:%M})")
+        if job.n1_sent_at is None:
+            raise N2NotForced(f"file job {job_id} has not sent N1 yet; N2 follows N1")
+        if not _force_n2(conn, job_id, now, mark_permanent):
+            raise N2NotForced(f"a worker holds a row of file job {job_id}; try again in a moment")
+        found = repo.get_file_job(conn, job_id)
+        assert found is not None
+        return found
+
+
+def _force_n2(conn: sa.Connection, job_id: UUID, now: datetime, mark_permanent: bool) -> bool:
+    """Close the file job's open artifacts and request N2, in a savepoint; False if a worker holds a row."""
+    with conn.begin_nested():
+        if repo.lock_all_rows(conn, job_id) is None:
+            return False
+        still_open = repo.open_rows(conn, job_id)
+        closed = repo.close_open_artifacts(conn, job_id, now) if mark_permanent else []
+        rows = sorted(set(closed), key=str)
+        for row in rows:
+            repo.refresh_row(conn, job_id, row, now)
+        requested = bool(request_notifications(conn, job_id, now, forced=ForcedClose(rows, len(closed))))
+        work.poke(conn, PIPELINE, [policy.row_entity(job_id, r) for r in still_open], now=now)
+    return requested
 
 
 # ---------------------------------------------------------------------------------- monitor (§6)

@@ -20,6 +20,8 @@ from redrive.stages import OP_RETRY_POLICY, sanitized_body
 from resources.llm import LlmResource
 from resources.matching import MatchingResource
 from resources.reliability import ReliabilityResource
+from assets.matching.settings import MatchingSettings
+from redrive.settings import Settings
 
 
 class DrainConfig(dg.Config):
@@ -160,3 +162,24 @@ def batch_requeue_run_config(document_ids: Sequence[str]) -> dict[str, Any]:
     """Several replays in one run: their documents published again (a quarantined message has none)."""
     ids = [d for d in document_ids if not d.startswith("sqs-message:")]
     return {"ops": {"requeue_for_matching": {"config": {"document_ids": ids}}}}
+
+
+def matching_resource(settings: Settings, matching: MatchingSettings) -> MatchingResource:
+    """The pipeline's queue and knobs as the resource its ops, sensors and commands use."""
+    return MatchingResource(
+        endpoint_url=settings.aws_endpoint_url,
+        region_name=settings.aws_region,
+        queue_name=matching.queue_name,
+        dlq_name=matching.dlq_name,
+        visibility_timeout_seconds=matching.visibility_timeout_seconds,
+        max_receive_count=matching.max_receive_count,
+        batch_size=matching.batch_size,
+        max_batches_per_run=matching.max_batches_per_run,
+        receive_wait_seconds=matching.receive_wait_seconds,
+        max_concurrent_drains=matching.max_concurrent_drains,
+        visibility_scale=matching.visibility_scale,
+        llm_max_attempts=matching.llm_max_attempts,
+        candidate_limit=matching.candidate_limit,
+        stuck_after_seconds=matching.stuck_after_seconds,
+        admin_document_url=matching.admin_document_url,
+    )

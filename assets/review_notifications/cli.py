@@ -25,7 +25,7 @@ import typer
 
 from assets.review_notifications import api, policy, repository
 from redrive.db import engine_for
-from resources.database import database_session
+from resources.postgres import database_session
 from redrive.settings import Settings
 
 app = typer.Typer(help="review notification jobs: create, show, status, waive", no_args_is_help=True,
