@@ -90,7 +90,8 @@ def local_stack(purpose: str = "dev", *, migrate: bool = True) -> Iterator[Stack
             stack.database_url = settings.database_url
             admin_url = with_database(settings.database_url, "postgres")
         else:
-            folder = "pg-test" if purpose == "test" else "pg"
+            # tests and the chaos run (which restarts its server) each have a server of their own
+            folder = {"test": "pg-test", "chaos": "pg-chaos"}.get(purpose, "pg")
             stack.postgres = EmbeddedPostgres(settings.redrive_data_dir / folder)
             admin_url = stack.postgres.start()
             stack.started.append("postgres")
