@@ -45,6 +45,11 @@ run_retries:
   enabled: true
   max_retries: 1
   retry_on_asset_or_op_failure: false
+# As dagster.yaml.example: a run stuck in STARTING is failed, so a drain sensor does not wait on it forever.
+run_monitoring:
+  enabled: true
+  start_timeout_seconds: 180
+  poll_interval_seconds: 30
 telemetry:
   enabled: false
 """
