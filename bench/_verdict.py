@@ -79,6 +79,7 @@ class Verdict:
     canaries: int
     unreplayable: int
     alerts_not_one: int
+    redacted: int = 0  # sink texts carrying a redaction marker: the canaries were there, and redacted
     examples: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
@@ -90,7 +91,7 @@ class Verdict:
 
 
 def verdict(pipeline: str, settled: Settled, *, duplicate_effects: int, canaries: list[tuple[str, str]],
-            unreplayable: Collection[Any], alerts: list[tuple[str, int]]) -> Verdict:
+            unreplayable: Collection[Any], alerts: list[tuple[str, int]], redacted: int = 0) -> Verdict:
     examples: dict[str, list[Any]] = {}
     if settled.lost_refs:
         examples["lost"] = list(settled.lost_refs[:5])
@@ -101,7 +102,7 @@ def verdict(pipeline: str, settled: Settled, *, duplicate_effects: int, canaries
     if alerts:
         examples["alerts"] = alerts[:5]
     return Verdict(pipeline, settled.items_in, settled.done, settled.dead_lettered, settled.lost, duplicate_effects,
-                   len(canaries), len(unreplayable), len(alerts), examples)
+                   len(canaries), len(unreplayable), len(alerts), redacted, examples)
 
 
 def failed(verdicts: Iterable[Verdict], unattributed_canaries: int = 0) -> bool:
@@ -111,11 +112,11 @@ def failed(verdicts: Iterable[Verdict], unattributed_canaries: int = 0) -> bool:
 def table(verdicts: Iterable[Verdict]) -> list[str]:
     """The verdict as a Markdown table."""
     head = ["pipeline", "in", "done", "dead-lettered", "lost", "duplicate effects", "canaries", "unreplayable",
-            "alerts ≠ 1", "verdict"]
+            "alerts ≠ 1", "redacted sinks", "verdict"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for v in verdicts:
         lines.append(f"| {v.pipeline} | {v.items_in} | {v.done} | {v.dead_lettered} | {v.lost} | "
-                     f"{v.duplicate_effects} | {v.canaries} | {v.unreplayable} | {v.alerts_not_one} | "
+                     f"{v.duplicate_effects} | {v.canaries} | {v.unreplayable} | {v.alerts_not_one} | {v.redacted} | "
                      f"{'FAIL' if v.failed else 'pass'} |")
     return lines
 

@@ -56,11 +56,11 @@ TIME_SCALE = float(os.environ.get("REDRIVE_TIME_SCALE") or 0.01)
 TRANSIENT = {"429": 0.05, "503": 0.04, "500": 0.03, "timeout": 0.03, "malformed": 0.03, "effect_then_error": 0.02}
 PERMANENT = {"400": 0.05}
 SLOW_504_SECONDS = 1.0
-ROUTES = ("llm", "store", "slack", "mail.send", "case.attach")
+ROUTES = ("llm", "store", "slack", "mail.send", "case.attach", "pdf.convert")
 CRITIQUE = '{"verdict": "approve", "score": 8, "summary": "Fine.", "findings": []}'
 
 # the share of items per pipeline (of --items)
-SHARES = {"criticizer": 0.35, "review_notifications": 0.25, "evidence": 0.40}
+SHARES = {"criticizer": 0.25, "review_notifications": 0.2, "evidence": 0.35, "conversion": 0.2}
 RECIPIENTS_PER_JOB = 3
 EVIDENCE_ROWS_PER_JOB = 50
 
@@ -112,11 +112,19 @@ class Ledger:
 
 @dataclass
 class Load:
+    """How to submit a pipeline's items, read their end state, and count its external effects."""
+
     pipeline: str
     submit: Callable[[Context, int, Ledger], None]
     effect_kind: str
     effect_key: Callable[[dict[str, Any]], Any]
     mine: Callable[[Context, dict[str, Any]], bool]
+    # (conn, ctx) -> entity ref → "done" / "dead" / anything else (open); the core's work queue by default
+    rows: Callable[[sa.Connection, Context], dict[str, str]] | None = None
+    # (conn, ctx) -> effects beyond one per key that the sandbox does not see (results written, …)
+    own_duplicates: Callable[[sa.Connection, Context], int] | None = None
+    # what else a user or operator is shown (API answers), to scan for canaries
+    user_texts: Callable[[Context], list[tuple[str, str]]] | None = None
 
 
 @dataclass
@@ -127,6 +135,8 @@ class Context:
     canaries: Canaries
     defs: Any
     rng: random.Random
+    topology: Any = None
+    api_token: str = ""
 
 
 def _criticizer_submit(ctx: Context, n: int, ledger: Ledger) -> None:
@@ -176,6 +186,67 @@ def _evidence_submit(ctx: Context, n: int, ledger: Ledger) -> None:
     ledger.expected += jobs * rows
 
 
+def _pdf(text: str) -> bytes:
+    stream = f"BT /F1 12 Tf 72 712 Td ({text}) Tj ET".encode()
+    return (b"%PDF-1.4\n1 0 obj << /Type /Catalog >> endobj\n4 0 obj << /Length " + str(len(stream)).encode()
+            + b" >> stream\n" + stream + b"\nendstream endobj\n%%EOF\n")
+
+
+def _conversion_submit(ctx: Context, n: int, ledger: Ledger) -> None:
+    """n PDFs uploaded through the conversion API (as its users do), a canary key in a request header."""
+    import httpx
+
+    from assets.conversion import repository as repo
+
+    with ctx.engine.begin() as conn:
+        ctx.api_token = repo.create_token(conn, f"chaos-{ctx.session}", "chaos run")
+    with httpx.Client(base_url=ctx.topology.api_url, timeout=30) as api:
+        for i in range(n):
+            answer = api.post("/api/jobs", content=_pdf(f"chaos {ctx.session} document {i}"),
+                              headers={"Authorization": f"Bearer {ctx.api_token}", "X-Filename": f"doc-{i}.pdf",
+                                       "X-Api-Key": ctx.canaries.api_key})
+            answer.raise_for_status()
+            ledger.expected += 1
+            ledger.known.add(answer.json()["id"])
+
+
+def _conversion_rows(conn: sa.Connection, ctx: Context) -> dict[str, str]:
+    """A job is done when it succeeded with its result file published; failed when it failed."""
+    from assets.conversion.repository import conversion_jobs
+    from assets.conversion.settings import ConversionSettings
+
+    results = Path(ctx.topology.env.get("RESULTS_DIR") or ConversionSettings().results_dir)
+    rows = {}
+    for job in conn.execute(sa.select(conversion_jobs.c.id, conversion_jobs.c.status,
+                                      conversion_jobs.c.result_location).where(
+            conversion_jobs.c.owner == f"chaos-{ctx.session}")):
+        if job.status == "succeeded":
+            rows[str(job.id)] = v.DONE if (results / job.result_location).is_file() else "succeeded-without-result"
+        else:
+            rows[str(job.id)] = v.DEAD if job.status == "failed" else job.status
+    return rows
+
+
+def _conversion_duplicates(conn: sa.Connection, ctx: Context) -> int:
+    """Results per conversion job beyond one: its `complete` events (each one a published result)."""
+    from assets.conversion.repository import conversion_job_events, conversion_jobs
+
+    per_job = conn.execute(sa.select(sa.func.count()).select_from(conversion_job_events.join(
+        conversion_jobs, conversion_jobs.c.id == conversion_job_events.c.job_id)).where(
+        conversion_jobs.c.owner == f"chaos-{ctx.session}", conversion_job_events.c.event == "complete").group_by(
+        conversion_job_events.c.job_id)).scalars()
+    return sum(n - 1 for n in per_job if n > 1)
+
+
+def _conversion_user_texts(ctx: Context) -> list[tuple[str, str]]:
+    """What the conversion API shows the user: every job with its error message."""
+    import httpx
+
+    with httpx.Client(base_url=ctx.topology.api_url, timeout=30) as api:
+        answer = api.get("/api/jobs", headers={"Authorization": f"Bearer {ctx.api_token}"})
+    return [("conversion API GET /api/jobs", answer.text)]
+
+
 LOADS: dict[str, Load] = {
     "criticizer": Load("criticizer", _criticizer_submit, "slack.message", lambda e: e.get("path"),
                        lambda ctx, e: str(e.get("path", "")).startswith(f"chaos-{ctx.session}/")),
@@ -186,6 +257,10 @@ LOADS: dict[str, Load] = {
     # one attachment per artifact, whatever idempotency key it was sent under
     "evidence": Load("evidence", _evidence_submit, "case.attach", lambda e: (e.get("case_id"), e.get("artifact_id")),
                      lambda ctx, e: True),
+    # results per conversion job: counted in the job's own events (the gateway call itself may repeat)
+    "conversion": Load("conversion", _conversion_submit, "pdf.convert", lambda e: e.get("seq"), lambda ctx, e: False,
+                       rows=_conversion_rows, own_duplicates=_conversion_duplicates,
+                       user_texts=_conversion_user_texts),
 }
 
 
@@ -248,7 +323,7 @@ class Monkey(threading.Thread):
                     if tick == self.pg_restart_at:
                         self.restart_postgres()
                     else:
-                        self.kill_something()
+                        self.kill_something(tick)
                         self.terminate_backends()
             except Exception as exc:  # noqa: BLE001 - the monkey must not die of what it causes
                 self.note(f"monkey error: {type(exc).__name__}: {str(exc)[:200]}")
@@ -259,13 +334,24 @@ class Monkey(threading.Thread):
             self.topology.respawn(name)
 
     def run_workers(self) -> list[psutil.Process]:
-        return [p for p in self.topology.survivors() if "execute_run" in " ".join(_cmdline(p))]
+        """The code server's run processes (DefaultRunLauncher: multiprocessing children of `dagster api grpc`)."""
+        return [p for p in self.topology.survivors()
+                if any(marker in " ".join(_cmdline(p)) for marker in ("spawn_main", "execute_run"))]
 
-    def kill_something(self) -> None:
-        workers = self.run_workers()
-        choices = ["daemon"] + (["run-worker"] * 2 if workers else [])
-        choice = self.rng.choice(choices)
+    def kill_something(self, tick: int) -> None:
+        """In turn: a run worker, the daemon, a run worker, a conversion worker. A run worker is chosen among
+        those alive for at least one interval, so it dies at work, not while it starts."""
+        converters = [n for n in self.topology.processes if n.startswith("conversion-worker")]
+        rota = ["run-worker", "daemon", "run-worker"] + (["conversion-worker"] if converters else [])
+        choice = rota[tick % len(rota)]
+        if choice == "conversion-worker":
+            choice = self.rng.choice(converters)
         if choice == "run-worker":
+            now = time.time()
+            workers = [p for p in self.run_workers() if now - _created(p) >= self.interval]
+            if not workers:
+                self.note("no run worker at work to kill this tick")
+                return
             victim = self.rng.choice(workers)
             try:
                 victim.send_signal(signal.SIGKILL)
@@ -297,6 +383,13 @@ class Monkey(threading.Thread):
         self.join(60)
 
 
+def _created(proc: psutil.Process) -> float:
+    try:
+        return proc.create_time()
+    except psutil.NoSuchProcess:
+        return time.time()
+
+
 def _cmdline(proc: psutil.Process) -> list[str]:
     try:
         return proc.cmdline()
@@ -325,16 +418,26 @@ def _alerts_pending(engine: sa.Engine) -> int:
         return alerts.pending_count(conn)
 
 
-def wait_settled(engine: sa.Engine, ledgers: dict[str, Any], timeout: float, monkey: Monkey | None) -> bool:
+def progress(ctx: Context, name: str) -> tuple[int, int]:
+    """(entities the pipeline holds, of them still open)."""
+    load = LOADS[name]
+    if load.rows is None:
+        return total_count(ctx.engine, name), open_count(ctx.engine, name)
+    with ctx.engine.connect() as conn:
+        rows = load.rows(conn, ctx)
+    return len(rows), sum(1 for status in rows.values() if status not in (v.DONE, v.DEAD))
+
+
+def wait_settled(ctx: Context, ledgers: dict[str, Ledger], timeout: float) -> bool:
     """Until every submitted entity has its row, none is open and no alert waits to be sent."""
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:
         try:
-            state = {p: (total_count(engine, p), open_count(engine, p)) for p in ledgers}
-            pending = _alerts_pending(engine)
+            state = {p: progress(ctx, p) for p in ledgers}
+            pending = _alerts_pending(ctx.engine)
         except sa.exc.OperationalError:  # the monkey restarted PostgreSQL or ended our backend
-            engine.dispose()
+            ctx.engine.dispose()
             time.sleep(1.0)
             continue
         line = " ".join(f"{p}={t}/{ledgers[p].expected} open={o}" for p, (t, o) in state.items())
@@ -451,12 +554,15 @@ def judge(ctx: Context, ledgers: dict[str, Ledger], *, drained: set[str], target
     for name, ledger in ledgers.items():
         load = LOADS[name]
         with ctx.engine.connect() as conn:
-            rows, letters, alerted = work_rows(conn, name), letter_refs(conn, name), alert_refs(conn, name)
+            rows = load.rows(conn, ctx) if load.rows else work_rows(conn, name)
+            letters, alerted = letter_refs(conn, name), alert_refs(conn, name)
+            own = load.own_duplicates(conn, ctx) if load.own_duplicates else 0
         settled = v.settle(ledger.expected, ledger.known, rows, letters)
         mine = [e for e in effects if e.get("kind") == load.effect_kind and load.mine(ctx, e)]
+        texts = [*sink_texts(ctx.engine, name), *(load.user_texts(ctx) if load.user_texts else [])]
         verdicts.append(v.verdict(
-            name, settled, duplicate_effects=v.duplicates(mine, load.effect_key),
-            canaries=v.canaries_in(sink_texts(ctx.engine, name), canaries),
+            name, settled, duplicate_effects=v.duplicates(mine, load.effect_key) + own,
+            canaries=v.canaries_in(texts, canaries), redacted=sum("[REDACTED" in text for _, text in texts),
             unreplayable=unreplayable(ctx.engine, name, drained, targets),
             alerts=v.alert_mismatches(letters, alerted)))
     return verdicts, v.canaries_in(shared, canaries)
@@ -486,8 +592,9 @@ def write_report(path: Path, *, argv: list[str], args: argparse.Namespace, verdi
         f"(20 % in all; 429/503 carry `Retry-After: 1`, `timeout` answers 504 after {SLOW_504_SECONDS} s); "
         f"permanent {', '.join(f'{k} {int(r * 100)} %' for k, r in PERMANENT.items())}",
         *[f"- {line}" for line in schedule],
-        f"- processes: every ~{args.kill_interval:.0f} s (±30 %) a random run worker (SIGKILL, not restarted: "
-        "Dagster's run monitoring fails the run) or the daemon (SIGKILL, restarted), and 30 % of PostgreSQL "
+        f"- processes: every ~{args.kill_interval:.0f} s (±30 %) in turn a run worker alive for at least that long "
+        "(SIGKILL, not restarted: the code server reports its run failed), the daemon, a run worker, a conversion "
+        "worker (SIGKILL, restarted as a supervisor would); and 30 % of PostgreSQL "
         "backends of the app and Dagster databases terminated; the embedded PostgreSQL restarted once "
         "(`pg_ctl restart -m immediate`) at the third tick; any service that exits is restarted",
         "", "## Verdict", "", *v.table(verdicts), "",
@@ -540,6 +647,8 @@ def main(argv: list[str] | None = None) -> int:
     session = uuid.uuid4().hex[:6]
     load_before = os.getloadavg()
     dagster_url = os.environ.get("DAGSTER_PG_URL")
+    from devstack.postgres import with_database
+
     with migrated_database(f"chaos_{session}") as url:
         settings = Settings(database_url=url, redrive_time_scale=TIME_SCALE)
         defs = build_definitions(settings)
@@ -555,15 +664,15 @@ def main(argv: list[str] | None = None) -> int:
         home = settings.redrive_data_dir / "chaos" / session
         ledgers = {n: Ledger(n) for n in names}
         event_from = event_log_max(dagster_url)
-        admin = url.rsplit("/", 1)[0]
-        from devstack.postgres import with_database
-
         admin = with_database(url, "postgres")
         dbs = [f"chaos_{session}"] + ([sa.engine.make_url(dagster_url).database] if dagster_url else [])
+        services = ("code-server", "daemon") + (("conversion-api", "conversion-worker") if "conversion" in names else ())
+        env = {"UPLOADS_DIR": str(home / "uploads"), "RESULTS_DIR": str(home / "results")}
         started = time.monotonic()
         monkey: Monkey | None = None
         try:
-            with deployment(settings, home) as topology:
+            with deployment(settings, home, only=services, workers=2, env=env) as topology:
+                ctx.topology = topology
                 instance = dg.DagsterInstance.from_config(str(home))
                 runs0 = instance.get_runs_count()
                 total_share = sum(SHARES[n] for n in names)
@@ -572,14 +681,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"chaos: submitted {', '.join(f'{n} {ledgers[n].expected}' for n in names)}", flush=True)
                 monkey = Monkey(topology, admin, dbs, args.kill_interval, args.seed, started)
                 monkey.start()
-                settled = wait_settled(engine, ledgers, args.timeout, monkey)
+                settled = wait_settled(ctx, ledgers, args.timeout)
                 monkey.stop()
+                seconds = time.monotonic() - started
                 runs = _retry_db(lambda: instance.get_runs_count() - runs0)
-            seconds = time.monotonic() - started
-            sandbox.clear_faults()
-            shared = list(shared_texts(sandbox, dagster_url, event_from,
-                                       [home, settings.redrive_data_dir / "logs"]))
-            verdicts, shared_found = judge(ctx, ledgers, drained=drained, targets=targets, shared=shared)
+                sandbox.clear_faults()
+                shared = list(shared_texts(sandbox, dagster_url, event_from,
+                                           [home, settings.redrive_data_dir / "logs"]))
+                verdicts, shared_found = judge(ctx, ledgers, drained=drained, targets=targets, shared=shared)
         finally:
             if monkey is not None:
                 monkey.stop()
