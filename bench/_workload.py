@@ -95,8 +95,9 @@ def deployment(settings: Settings, home: Path, *, only: tuple[str, ...] = ("code
         yield topology
 
 
-def drop_evidence_zips(defs: Any, zips: list[tuple[str, bytes]], notify_to: str = "merchant@example.com") -> None:
-    """Put file-job ZIPs in the evidence S3 inbox: the inbox sensor takes it from there."""
+def drop_evidence_zips(defs: Any, zips: list[tuple[str, bytes]],
+                       notify_to: str = "merchant@example.com") -> list[tuple[str, str, str]]:
+    """Put file-job ZIPs in the evidence S3 inbox (the inbox sensor takes it from there); (bucket, key, etag)s."""
     from assets.evidence.settings import EvidenceSettings
     from redrive.settings import Settings as Core
     from resources.aws import ensure_bucket
@@ -104,6 +105,9 @@ def drop_evidence_zips(defs: Any, zips: list[tuple[str, bytes]], notify_to: str 
     client, evidence = defs.resources["s3"].get_client(), EvidenceSettings()
     bucket = evidence.bucket or Core().redrive_bucket
     ensure_bucket(client, bucket)
+    dropped = []
     for name, data in zips:
-        client.put_object(Bucket=bucket, Key=f"{evidence.inbox_prefix}{name}", Body=data,
-                          Metadata={"notify-to": notify_to})
+        key = f"{evidence.inbox_prefix}{name}"
+        put = client.put_object(Bucket=bucket, Key=key, Body=data, Metadata={"notify-to": notify_to})
+        dropped.append((bucket, key, str(put["ETag"]).strip('"')))
+    return dropped

@@ -108,6 +108,7 @@ class Ledger:
     pipeline: str
     expected: int = 0
     known: set[str] = field(default_factory=set)
+    groups: dict[str, int] = field(default_factory=dict)  # evidence: file job id → rows in its ZIP
 
 
 @dataclass
@@ -125,6 +126,10 @@ class Load:
     own_duplicates: Callable[[sa.Connection, Context], int] | None = None
     # what else a user or operator is shown (API answers), to scan for canaries
     user_texts: Callable[[Context], list[tuple[str, str]]] | None = None
+    # (conn, ctx) -> entity refs that count as dead-lettered (default: the pipeline's active dead letters)
+    letters: Callable[[sa.Connection, Context], set[str]] | None = None
+    # every pipeline name its dead letters and alerts are filed under
+    letter_pipelines: tuple[str, ...] = ()
 
 
 @dataclass
@@ -137,6 +142,7 @@ class Context:
     rng: random.Random
     topology: Any = None
     api_token: str = ""
+    ledgers: dict[str, Ledger] = field(default_factory=dict)
 
 
 def _criticizer_submit(ctx: Context, n: int, ledger: Ledger) -> None:
@@ -182,8 +188,33 @@ def _evidence_submit(ctx: Context, n: int, ledger: Ledger) -> None:
     rows = max(1, n // jobs)
     zips = [(f"chaos-{ctx.session}-{j}.zip", standard_job(f"chaos-{ctx.session}-{j}", rows, 1)[0])
             for j in range(jobs)]
-    drop_evidence_zips(ctx.defs, zips)
+    from assets.evidence import policy
+
+    for bucket, key, etag in drop_evidence_zips(ctx.defs, zips):
+        ledger.groups[str(policy.file_job_id(bucket, key, etag))] = rows
     ledger.expected += jobs * rows
+
+
+FILE_JOBS = "evidence_file_jobs"  # the evidence pipeline's file-job runs: a failed ingest run's dead letter
+
+
+def _evidence_rows(conn: sa.Connection, ctx: Context) -> dict[str, str]:
+    """The attach rows, and for a file job never ingested (its ingest run failed for good and was dead-lettered
+    under evidence_file_jobs) its rows as dead-lettered with it: the operator replays the file job."""
+    rows = work_rows(conn, "evidence")
+    ingested = {ref.split("/", 1)[0] for ref in rows}
+    job_letters = letter_refs(conn, FILE_JOBS)
+    for job, n in ctx.ledgers["evidence"].groups.items():
+        if job not in ingested:
+            status = v.DEAD if job in job_letters else "never-ingested"
+            rows.update({f"{job}/not-ingested-{i}": status for i in range(n)})
+    return rows
+
+
+def _evidence_letters(conn: sa.Connection, ctx: Context) -> set[str]:
+    job_letters = letter_refs(conn, FILE_JOBS)
+    return letter_refs(conn, "evidence") | {f"{job}/not-ingested-{i}" for job, n in ctx.ledgers["evidence"].groups.items()
+                                            if job in job_letters for i in range(n)}
 
 
 def _pdf(text: str) -> bytes:
@@ -256,7 +287,8 @@ LOADS: dict[str, Load] = {
                                  lambda ctx, e: str(e.get("to", "")).startswith("reviewer-")),
     # one attachment per artifact, whatever idempotency key it was sent under
     "evidence": Load("evidence", _evidence_submit, "case.attach", lambda e: (e.get("case_id"), e.get("artifact_id")),
-                     lambda ctx, e: True),
+                     lambda ctx, e: True, rows=_evidence_rows, letters=_evidence_letters,
+                     letter_pipelines=("evidence", FILE_JOBS)),
     # results per conversion job: counted in the job's own events (the gateway call itself may repeat)
     "conversion": Load("conversion", _conversion_submit, "pdf.convert", lambda e: e.get("seq"), lambda ctx, e: False,
                        rows=_conversion_rows, own_duplicates=_conversion_duplicates,
@@ -466,11 +498,15 @@ def letter_refs(conn: sa.Connection, pipeline: str) -> set[str]:
         dead_letters.c.pipeline == pipeline, dead_letters.c.status != "resolved")).scalars())
 
 
+FINAL_ALERTS = ("dead_letter", "replay_failed", "escalation")  # the alerts the core writes with a dead letter
+
+
 def alert_refs(conn: sa.Connection, pipeline: str) -> list[str]:
+    """Entity refs of the pipeline's final-failure alerts (not its stuck-work or N2 notices)."""
     from redrive.schema import alerts
 
     return [r for r in conn.execute(sa.select(alerts.c.entity_ref).where(
-        alerts.c.pipeline == pipeline, alerts.c.entity_ref.is_not(None))).scalars()]
+        alerts.c.pipeline == pipeline, alerts.c.entity_ref.is_not(None), alerts.c.kind.in_(FINAL_ALERTS))).scalars()]
 
 
 def unreplayable(engine: sa.Engine, pipeline: str, drained: set[str], targets: set[str]) -> list[int]:
@@ -532,19 +568,6 @@ def shared_texts(sandbox: SandboxClient, dagster_url: str | None, event_log_from
                 yield f"log {path}", path.read_text(errors="replace")
 
 
-def event_log_max(dagster_url: str | None) -> int:
-    if not dagster_url:
-        return 0
-    engine = sa.create_engine(dagster_url, poolclass=sa.pool.NullPool)
-    try:
-        with engine.connect() as conn:
-            return int(conn.execute(sa.text("SELECT coalesce(max(id), 0) FROM event_logs")).scalar_one())
-    except sa.exc.ProgrammingError:  # no run storage yet
-        return 0
-    finally:
-        engine.dispose()
-
-
 def judge(ctx: Context, ledgers: dict[str, Ledger], *, drained: set[str], targets: set[str],
           shared: list[tuple[str, str]]) -> tuple[list[v.Verdict], list[tuple[str, str]]]:
     """Per pipeline verdicts, and canaries found in sinks no pipeline owns."""
@@ -553,18 +576,22 @@ def judge(ctx: Context, ledgers: dict[str, Ledger], *, drained: set[str], target
     verdicts = []
     for name, ledger in ledgers.items():
         load = LOADS[name]
+        filed = load.letter_pipelines or (name,)
         with ctx.engine.connect() as conn:
             rows = load.rows(conn, ctx) if load.rows else work_rows(conn, name)
-            letters, alerted = letter_refs(conn, name), alert_refs(conn, name)
+            real = set().union(*(letter_refs(conn, p) for p in filed))
+            letters = load.letters(conn, ctx) if load.letters else real
+            alerted = [ref for p in filed for ref in alert_refs(conn, p)]
             own = load.own_duplicates(conn, ctx) if load.own_duplicates else 0
         settled = v.settle(ledger.expected, ledger.known, rows, letters)
         mine = [e for e in effects if e.get("kind") == load.effect_kind and load.mine(ctx, e)]
-        texts = [*sink_texts(ctx.engine, name), *(load.user_texts(ctx) if load.user_texts else [])]
+        texts = [*(t for p in filed for t in sink_texts(ctx.engine, p)),
+                 *(load.user_texts(ctx) if load.user_texts else [])]
         verdicts.append(v.verdict(
             name, settled, duplicate_effects=v.duplicates(mine, load.effect_key) + own,
             canaries=v.canaries_in(texts, canaries), redacted=sum("[REDACTED" in text for _, text in texts),
-            unreplayable=unreplayable(ctx.engine, name, drained, targets),
-            alerts=v.alert_mismatches(letters, alerted)))
+            unreplayable=[i for p in filed for i in unreplayable(ctx.engine, p, drained, targets)],
+            alerts=v.alert_mismatches(real, alerted)))
     return verdicts, v.canaries_in(shared, canaries)
 
 
@@ -646,8 +673,8 @@ def main(argv: list[str] | None = None) -> int:
     canaries = Canaries.from_seed(args.seed)
     session = uuid.uuid4().hex[:6]
     load_before = os.getloadavg()
-    dagster_url = os.environ.get("DAGSTER_PG_URL")
-    from devstack.postgres import with_database
+    from devstack.postgres import create_database, drop_database, with_database
+    from redrive.db import normalize_url
 
     with migrated_database(f"chaos_{session}") as url:
         settings = Settings(database_url=url, redrive_time_scale=TIME_SCALE)
@@ -663,11 +690,16 @@ def main(argv: list[str] | None = None) -> int:
         schedule = arm_sandbox(sandbox, args.seed, canaries, poisoned)
         home = settings.redrive_data_dir / "chaos" / session
         ledgers = {n: Ledger(n) for n in names}
-        event_from = event_log_max(dagster_url)
+        ctx.ledgers = ledgers
         admin = with_database(url, "postgres")
-        dbs = [f"chaos_{session}"] + ([sa.engine.make_url(dagster_url).database] if dagster_url else [])
+        # run storage of its own: no run of an earlier session counts as active here, the event log is this run's
+        create_database(admin, f"chaos_{session}_dagster")
+        dagster_url = normalize_url(with_database(admin, f"chaos_{session}_dagster"))
+        dbs = [f"chaos_{session}", f"chaos_{session}_dagster"]
         services = ("code-server", "daemon") + (("conversion-api", "conversion-worker") if "conversion" in names else ())
-        env = {"UPLOADS_DIR": str(home / "uploads"), "RESULTS_DIR": str(home / "results")}
+        env = {"UPLOADS_DIR": str(home / "uploads"), "RESULTS_DIR": str(home / "results"), "DAGSTER_PG_URL": dagster_url}
+        saved_pg_url = os.environ.get("DAGSTER_PG_URL")
+        os.environ["DAGSTER_PG_URL"] = dagster_url  # this process's view of the instance (run counts)
         started = time.monotonic()
         monkey: Monkey | None = None
         try:
@@ -686,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
                 seconds = time.monotonic() - started
                 runs = _retry_db(lambda: instance.get_runs_count() - runs0)
                 sandbox.clear_faults()
-                shared = list(shared_texts(sandbox, dagster_url, event_from,
+                shared = list(shared_texts(sandbox, dagster_url, 0,
                                            [home, settings.redrive_data_dir / "logs"]))
                 verdicts, shared_found = judge(ctx, ledgers, drained=drained, targets=targets, shared=shared)
         finally:
@@ -694,6 +726,11 @@ def main(argv: list[str] | None = None) -> int:
                 monkey.stop()
             sandbox.clear_faults()
             engine.dispose()
+            if saved_pg_url is None:
+                os.environ.pop("DAGSTER_PG_URL", None)
+            else:
+                os.environ["DAGSTER_PG_URL"] = saved_pg_url
+            drop_database(admin, f"chaos_{session}_dagster")
     write_report(args.report, argv=argv, args=args, verdicts=verdicts, shared_found=shared_found,
                  schedule=schedule, events=monkey.events if monkey else [], seconds=seconds,
                  drained_in_time=settled, runs=runs, load_before=load_before)
