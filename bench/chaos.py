@@ -27,6 +27,7 @@ import argparse
 import os
 import platform
 import random
+import re
 import signal
 import string
 import sys
@@ -331,10 +332,10 @@ class Monkey(threading.Thread):
     """Every `interval` seconds: SIGKILL a run worker or the daemon (restarted), terminate PostgreSQL
     backends; once, the embedded PostgreSQL is restarted. Exited services are restarted as a supervisor would."""
 
-    def __init__(self, topology: Any, admin_url: str, databases: list[str], interval: float, seed: int,
-                 started: float, pg_restart_at: int = 3) -> None:
+    def __init__(self, topology: Any, admin_url: str, dagster_url: str, databases: list[str], interval: float,
+                 seed: int, started: float, pg_restart_at: int = 3) -> None:
         super().__init__(daemon=True, name="chaos-monkey")
-        self.topology, self.admin_url, self.databases = topology, admin_url, databases
+        self.topology, self.admin_url, self.dagster_url, self.databases = topology, admin_url, dagster_url, databases
         self.interval, self.rng, self.started = interval, random.Random(f"monkey-{seed}"), started
         self.pg_restart_at = pg_restart_at
         self.events: list[Event] = []
@@ -366,21 +367,30 @@ class Monkey(threading.Thread):
             self.topology.respawn(name)
 
     def run_workers(self) -> list[psutil.Process]:
-        """The code server's run processes (DefaultRunLauncher: multiprocessing children of `dagster api grpc`)."""
-        return [p for p in self.topology.survivors()
-                if any(marker in " ".join(_cmdline(p)) for marker in ("spawn_main", "execute_run"))]
+        """Run workers at work: the processes of STARTED runs that are executing their steps (the run's
+        "Executing steps in process (pid: N)" event), so a kill hits a run mid-work, not one still loading."""
+        engine = sa.create_engine(self.dagster_url, poolclass=sa.pool.NullPool)
+        try:
+            with engine.connect() as conn:
+                messages = conn.execute(sa.text(
+                    "SELECT e.event FROM event_logs e JOIN runs r ON r.run_id = e.run_id "
+                    "WHERE r.status = 'STARTED' AND e.dagster_event_type = 'ENGINE_EVENT' "
+                    "AND e.event LIKE '%Executing steps in process (pid: %'")).scalars().all()
+        finally:
+            engine.dispose()
+        pids = {int(m.group(1)) for text in messages for m in [re.search(r"in process \(pid: (\d+)\)", text)] if m}
+        alive = {p.pid: p for p in self.topology.survivors()}
+        return [alive[pid] for pid in sorted(pids) if pid in alive]
 
     def kill_something(self, tick: int) -> None:
-        """In turn: a run worker, the daemon, a run worker, a conversion worker. A run worker is chosen among
-        those alive for at least one interval, so it dies at work, not while it starts."""
+        """In turn: a run worker at work, the daemon, a run worker, a conversion worker."""
         converters = [n for n in self.topology.processes if n.startswith("conversion-worker")]
         rota = ["run-worker", "daemon", "run-worker"] + (["conversion-worker"] if converters else [])
         choice = rota[tick % len(rota)]
         if choice == "conversion-worker":
             choice = self.rng.choice(converters)
         if choice == "run-worker":
-            now = time.time()
-            workers = [p for p in self.run_workers() if now - _created(p) >= self.interval]
+            workers = self.run_workers()
             if not workers:
                 self.note("no run worker at work to kill this tick")
                 return
@@ -413,20 +423,6 @@ class Monkey(threading.Thread):
     def stop(self) -> None:
         self.stopping.set()
         self.join(60)
-
-
-def _created(proc: psutil.Process) -> float:
-    try:
-        return proc.create_time()
-    except psutil.NoSuchProcess:
-        return time.time()
-
-
-def _cmdline(proc: psutil.Process) -> list[str]:
-    try:
-        return proc.cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return []
 
 
 def restart_embedded_postgres(admin_url: str) -> None:
@@ -619,7 +615,7 @@ def write_report(path: Path, *, argv: list[str], args: argparse.Namespace, verdi
         f"(20 % in all; 429/503 carry `Retry-After: 1`, `timeout` answers 504 after {SLOW_504_SECONDS} s); "
         f"permanent {', '.join(f'{k} {int(r * 100)} %' for k, r in PERMANENT.items())}",
         *[f"- {line}" for line in schedule],
-        f"- processes: every ~{args.kill_interval:.0f} s (±30 %) in turn a run worker alive for at least that long "
+        f"- processes: every ~{args.kill_interval:.0f} s (±30 %) in turn a run worker executing its steps "
         "(SIGKILL, not restarted: the code server reports its run failed), the daemon, a run worker, a conversion "
         "worker (SIGKILL, restarted as a supervisor would); and 30 % of PostgreSQL "
         "backends of the app and Dagster databases terminated; the embedded PostgreSQL restarted once "
@@ -711,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name in names:
                     LOADS[name].submit(ctx, max(1, int(args.items * SHARES[name] / total_share)), ledgers[name])
                 print(f"chaos: submitted {', '.join(f'{n} {ledgers[n].expected}' for n in names)}", flush=True)
-                monkey = Monkey(topology, admin, dbs, args.kill_interval, args.seed, started)
+                monkey = Monkey(topology, admin, dagster_url, dbs, args.kill_interval, args.seed, started)
                 monkey.start()
                 settled = wait_settled(ctx, ledgers, args.timeout)
                 monkey.stop()
