@@ -62,10 +62,10 @@ def canaries_in(texts: Iterable[tuple[str, str]], canaries: Collection[str]) -> 
     return found
 
 
-def alert_mismatches(letter_refs: Collection[str], alert_refs: Iterable[str]) -> list[tuple[str, int]]:
-    """Dead-lettered entities whose final failure was alerted other than exactly once."""
-    counts = Counter(alert_refs)
-    return [(ref, counts.get(ref, 0)) for ref in sorted(set(letter_refs)) if counts.get(ref, 0) != 1]
+def alert_mismatches(letters: Collection[str], alerted: Iterable[str]) -> list[tuple[str, int]]:
+    """Final failures (dead letters) alerted other than exactly once; `alerted` names a letter per alert."""
+    counts = Counter(alerted)
+    return [(letter, counts.get(letter, 0)) for letter in sorted(set(letters)) if counts.get(letter, 0) != 1]
 
 
 @dataclass

@@ -497,12 +497,21 @@ def letter_refs(conn: sa.Connection, pipeline: str) -> set[str]:
 FINAL_ALERTS = ("dead_letter", "replay_failed", "escalation")  # the alerts the core writes with a dead letter
 
 
-def alert_refs(conn: sa.Connection, pipeline: str) -> list[str]:
-    """Entity refs of the pipeline's final-failure alerts (not its stuck-work or N2 notices)."""
+def letter_ids(conn: sa.Connection, pipeline: str) -> list[str]:
+    """Every dead letter the pipeline ever wrote (resolved ones too): each is one final failure."""
+    from redrive.schema import dead_letters
+
+    return [str(i) for i in conn.execute(sa.select(dead_letters.c.id).where(dead_letters.c.pipeline == pipeline))
+            .scalars()]
+
+
+def alerted_letters(conn: sa.Connection, pipeline: str) -> list[str]:
+    """The dead letter each final-failure alert was written for (its dedupe key `dead_letter:<id>:…`)."""
     from redrive.schema import alerts
 
-    return [r for r in conn.execute(sa.select(alerts.c.entity_ref).where(
-        alerts.c.pipeline == pipeline, alerts.c.entity_ref.is_not(None), alerts.c.kind.in_(FINAL_ALERTS))).scalars()]
+    keys = conn.execute(sa.select(alerts.c.dedupe_key).where(
+        alerts.c.pipeline == pipeline, alerts.c.kind.in_(FINAL_ALERTS))).scalars()
+    return [key.split(":")[1] for key in keys if key.startswith("dead_letter:")]
 
 
 def unreplayable(engine: sa.Engine, pipeline: str, drained: set[str], targets: set[str]) -> list[int]:
@@ -577,7 +586,8 @@ def judge(ctx: Context, ledgers: dict[str, Ledger], *, drained: set[str], target
             rows = load.rows(conn, ctx) if load.rows else work_rows(conn, name)
             real = set().union(*(letter_refs(conn, p) for p in filed))
             letters = load.letters(conn, ctx) if load.letters else real
-            alerted = [ref for p in filed for ref in alert_refs(conn, p)]
+            written = [i for p in filed for i in letter_ids(conn, p)]
+            alerted = [i for p in filed for i in alerted_letters(conn, p)]
             own = load.own_duplicates(conn, ctx) if load.own_duplicates else 0
         settled = v.settle(ledger.expected, ledger.known, rows, letters)
         mine = [e for e in effects if e.get("kind") == load.effect_kind and load.mine(ctx, e)]
@@ -587,7 +597,7 @@ def judge(ctx: Context, ledgers: dict[str, Ledger], *, drained: set[str], target
             name, settled, duplicate_effects=v.duplicates(mine, load.effect_key) + own,
             canaries=v.canaries_in(texts, canaries), redacted=sum("[REDACTED" in text for _, text in texts),
             unreplayable=[i for p in filed for i in unreplayable(ctx.engine, p, drained, targets)],
-            alerts=v.alert_mismatches(real, alerted)))
+            alerts=v.alert_mismatches(written, alerted)))
     return verdicts, v.canaries_in(shared, canaries)
 
 

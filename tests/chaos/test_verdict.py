@@ -53,11 +53,11 @@ def _run(engine: sa.Engine, n: int, fail_every: int) -> set[str]:
 def _verdict(engine: sa.Engine, refs: set[str], *, drained: set[str] = frozenset({PIPELINE})) -> v.Verdict:
     with engine.connect() as conn:
         rows, letters = chaos.work_rows(conn, PIPELINE), chaos.letter_refs(conn, PIPELINE)
-        alerted = chaos.alert_refs(conn, PIPELINE)
+        written, alerted = chaos.letter_ids(conn, PIPELINE), chaos.alerted_letters(conn, PIPELINE)
     return v.verdict(PIPELINE, v.settle(len(refs), refs, rows, letters), duplicate_effects=0,
                      canaries=v.canaries_in(chaos.sink_texts(engine, PIPELINE), ["sk-chaos-neverplanted0000"]),
                      unreplayable=chaos.unreplayable(engine, PIPELINE, set(drained), set()),
-                     alerts=v.alert_mismatches(letters, alerted))
+                     alerts=v.alert_mismatches(written, alerted))
 
 
 def test_a_sound_build_passes_with_its_dead_letters_counted(engine) -> None:
@@ -95,12 +95,14 @@ def test_an_entity_the_system_never_saw_is_lost(engine) -> None:
 def test_an_alert_sent_twice_or_never_fails_the_verdict(engine) -> None:
     refs = _run(engine, 8, fail_every=4)
     with engine.begin() as conn:
+        first, second = (deadletters.active_for(conn, PIPELINE, ref).id for ref in ("e-0", "e-4"))
         conn.execute(sa.text("INSERT INTO alerts (dedupe_key, group_key, pipeline, kind, entity_ref, summary) "
-                             "VALUES ('again', 'g', :p, 'dead_letter', 'e-0', 'sent twice')"), {"p": PIPELINE})
+                             "VALUES (:k, 'g', :p, 'dead_letter', 'e-0', 'sent twice')"),
+                     {"p": PIPELINE, "k": f"dead_letter:{first}:0:again"})
         conn.execute(sa.text("DELETE FROM alerts WHERE entity_ref = 'e-4'"))
     verdict = _verdict(engine, refs)
     assert verdict.alerts_not_one == 2 and verdict.failed
-    assert sorted(verdict.examples["alerts"]) == [("e-0", 2), ("e-4", 0)]
+    assert sorted(verdict.examples["alerts"]) == sorted([(str(first), 2), (str(second), 0)])
 
 
 def test_a_letter_replay_cannot_run_is_unreplayable(engine) -> None:
