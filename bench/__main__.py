@@ -1,7 +1,9 @@
 """`make bench`: run every benchmark module in bench/ under the local stack, one after another.
 
 Each module has a `main() -> int` that prints its own figures and their ratio against a
-baseline measured in the same session. `python -m bench NAME` runs just one.
+baseline measured in the same session. `python -m bench NAME` runs just one, and
+`python -m bench NAME --option …` passes the options to its `main(argv)`. A module with
+`IN_MAKE_BENCH = False` (the chaos run, `make chaos`) runs only when named.
 """
 
 from __future__ import annotations
@@ -16,17 +18,22 @@ from devstack.stack import local_stack
 
 def modules() -> list[str]:
     here = Path(__file__).parent
-    return sorted(m.name for m in pkgutil.iter_modules([str(here)]) if not m.name.startswith("_"))
+    names = sorted(m.name for m in pkgutil.iter_modules([str(here)]) if not m.name.startswith("_"))
+    return [n for n in names if getattr(importlib.import_module(f"bench.{n}"), "IN_MAKE_BENCH", True)]
 
 
 def main(argv: list[str]) -> int:
-    names = argv or modules()
+    if len(argv) > 1 and argv[1].startswith("-"):
+        names, argv = argv[:1], argv[1:]
+    else:
+        names, argv = argv or modules(), []
     status = 0
-    with local_stack("bench"):
+    # the chaos run restarts its PostgreSQL: a server of its own, not the one the demo and benchmarks share
+    with local_stack("chaos" if names == ["chaos"] else "bench"):
         for name in names:
             print(f"=== bench.{name}", flush=True)
             module = importlib.import_module(f"bench.{name}")
-            status |= int(module.main() or 0)
+            status |= int((module.main(argv) if argv else module.main()) or 0)
     return status
 
 

@@ -25,22 +25,19 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psutil
 import sqlalchemy as sa
 
-from bench._support import scratch_database
+from bench._workload import (cpu_of, deployment, drop_evidence_zips, migrated_database, open_count,
+                             postgres_pids, total_count, wait_drained)
 from devstack.sandbox import SandboxClient
-from redrive import work
-from redrive.db import engine_for, upgrade_head
+from redrive.db import engine_for
 from redrive.drain import Drain, Handler
 from redrive.reliability import Reliability
-from redrive.schema import work_items
 from redrive.settings import Settings
 
 # 20 % of calls fail transiently: 503s, 429s with Retry-After (× the time scale) and connection resets
@@ -115,17 +112,7 @@ def _evidence_zips(session: str, n: int) -> list[tuple[str, bytes]]:
 
 def _evidence_submit(engine: sa.Engine, sandbox: SandboxClient, session: str, n: int) -> None:
     """Drop n/200 file-job ZIPs of 200 rows in the S3 inbox: the inbox sensor takes it from there."""
-    from assets.evidence.settings import EvidenceSettings
-    from redrive.settings import Settings as Core
-    from resources.aws import ensure_bucket
-
-    defs = _defs()
-    client, evidence = defs.resources["s3"].get_client(), EvidenceSettings()
-    bucket = evidence.bucket or Core().redrive_bucket
-    ensure_bucket(client, bucket)
-    for name, data in _evidence_zips(session, n):
-        client.put_object(Bucket=bucket, Key=f"{evidence.inbox_prefix}{name}", Body=data,
-                          Metadata={"notify-to": "merchant@example.com"})
+    drop_evidence_zips(_defs(), _evidence_zips(session, n))
 
 
 def _evidence_direct(engine: sa.Engine, sandbox: SandboxClient, session: str, n: int) -> None:
@@ -201,49 +188,6 @@ class Outcome:
         return self.entities / self.seconds if self.seconds else 0.0
 
 
-def _open(engine: sa.Engine, pipeline: str) -> int:
-    with engine.connect() as conn:
-        return conn.execute(sa.select(sa.func.count()).select_from(work_items).where(
-            work_items.c.pipeline == pipeline, work_items.c.status.in_(work.OPEN_STATUSES))).scalar_one()
-
-
-def _total(engine: sa.Engine, pipeline: str) -> int:
-    with engine.connect() as conn:
-        return conn.execute(sa.select(sa.func.count()).select_from(work_items).where(
-            work_items.c.pipeline == pipeline)).scalar_one()
-
-
-def _wait_drained(engine: sa.Engine, pipeline: str, expected_total: int, timeout: float) -> int:
-    """Until every expected entity exists (evidence rows appear at ingest) and none is open; what is left open."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _total(engine, pipeline) >= expected_total and _open(engine, pipeline) == 0:
-            return 0
-        time.sleep(1.0)  # polling the database for the deployment's progress; not a timing assertion
-    return _open(engine, pipeline) + max(0, expected_total - _total(engine, pipeline))
-
-
-def cpu_of(pids: list[int]) -> float:
-    """User + system CPU of these processes, their live descendants and every child they reaped."""
-    total, seen = 0.0, set()
-    for pid in pids:
-        try:
-            top = psutil.Process(pid)
-            procs = [top, *top.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-        for proc in procs:
-            if proc.pid in seen:
-                continue
-            seen.add(proc.pid)
-            try:
-                t = proc.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            total += t.user + t.system + t.children_user + t.children_system
-    return total
-
-
 CRITIQUE = {"verdict": "approve", "score": 8, "summary": "Fine.", "findings": []}
 
 
@@ -269,23 +213,12 @@ def run_direct(load: Load, settings: Settings, n: int, session: str, pg_pids: li
     (load.submit_direct or load.submit)(engine, sandbox, session, n)
     drain = Drain(reliability=runtime, pipeline=load.pipeline, policies=policies, owner="bench-direct",
                   concurrency=8, batch_size=50, linger_seconds=5.0, max_seconds=3600)
-    while _open(engine, load.pipeline):
+    while open_count(engine, load.pipeline):
         drain.run(handle)
     seconds = time.perf_counter() - started
     cpu = sum(me.cpu_times()[:2]) - cpu0 + cpu_of(pg_pids) - pg0
     effects, distinct = load.effects(sandbox)
-    return Outcome(n, seconds, cpu, 0, _open(engine, load.pipeline), effects, distinct)
-
-
-@contextmanager
-def deployment(settings: Settings, home: Path) -> Iterator[Any]:
-    """The code server and the daemon of `make serve` (devstack.topology), on this benchmark's database."""
-    from devstack.topology import Topology
-
-    env = {"DATABASE_URL": settings.database_url or "", "REDRIVE_TIME_SCALE": str(settings.redrive_time_scale),
-           "CRITICIZER_SENSOR_INTERVAL_SECONDS": "5", "REVIEW_NOTIFICATIONS_SENSOR_INTERVAL_SECONDS": "5"}
-    with Topology(home=home, env=env, only=["code-server", "daemon"]) as topology:
-        yield topology
+    return Outcome(n, seconds, cpu, 0, open_count(engine, load.pipeline), effects, distinct)
 
 
 def run_deployed(load: Load, settings: Settings, n: int, session: str, pg_pids: list[int],
@@ -303,21 +236,14 @@ def run_deployed(load: Load, settings: Settings, n: int, session: str, pg_pids: 
         runs0 = instance.get_runs_count(dg.RunsFilter(job_name=load.job))
         pids = [p.proc.pid for p in topology.processes.values()]
         cpu0, pg0 = cpu_of(pids), cpu_of(pg_pids)
-        started, before = time.perf_counter(), _total(engine, load.pipeline)
+        started, before = time.perf_counter(), total_count(engine, load.pipeline)
         load.submit(engine, sandbox, session, n)
-        left = _wait_drained(engine, load.pipeline, before + n, timeout)
+        left = wait_drained(engine, load.pipeline, before + n, timeout)
         seconds = time.perf_counter() - started
         cpu = cpu_of(pids) - cpu0 + cpu_of(pg_pids) - pg0
         runs = instance.get_runs_count(dg.RunsFilter(job_name=load.job)) - runs0
     effects, distinct = load.effects(sandbox)
     return Outcome(n, seconds, cpu, runs, left, effects, distinct)
-
-
-@contextmanager
-def _database(name: str) -> Iterator[str]:
-    with scratch_database(name) as url:
-        upgrade_head(url)
-        yield url
 
 
 def main(n: int | None = None) -> int:
@@ -329,12 +255,12 @@ def main(n: int | None = None) -> int:
     for name in names:
         load = LOADS[name]
         session = uuid.uuid4().hex[:6]
-        with _database(f"bench_scale_{name}_{session}") as url:
+        with migrated_database(f"bench_scale_{name}_{session}") as url:
             settings = Settings(database_url=url, redrive_time_scale=0.01)
             from orchestration.definitions import build_definitions
 
             _DEFS.append(build_definitions(settings))
-            pg_pids = _postgres_pids(url)
+            pg_pids = postgres_pids(url)
             deployed = run_deployed(load, settings, n, f"{session}d", pg_pids, timeout)
             direct = run_direct(load, settings, n, f"{session}b", pg_pids)
         ratio = deployed.per_second / direct.per_second if direct.per_second else 0.0
@@ -358,16 +284,4 @@ def main(n: int | None = None) -> int:
         print(f"  {name:<22}{d.per_second:>11.1f}{d.runs:>7}{1000 * d.cpu_seconds / d.entities:>15.2f}"
               f"{b.per_second:>10.1f}{1000 * b.cpu_seconds / b.entities:>15.2f}{ratio:>7.2f}")
     return status
-
-
-def _postgres_pids(url: str) -> list[int]:
-    """The PostgreSQL server process behind `url` (its backends are its children)."""
-    engine = engine_for(url)
-    with engine.connect() as conn:
-        backend = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
-    try:
-        parent = psutil.Process(backend).parent()
-    except psutil.NoSuchProcess:
-        return []
-    return [parent.pid] if parent is not None else []
 

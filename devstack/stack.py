@@ -45,6 +45,11 @@ run_retries:
   enabled: true
   max_retries: 1
   retry_on_asset_or_op_failure: false
+# As dagster.yaml.example: a run stuck in STARTING is failed, so a drain sensor does not wait on it forever.
+run_monitoring:
+  enabled: true
+  start_timeout_seconds: 180
+  poll_interval_seconds: 30
 telemetry:
   enabled: false
 """
@@ -90,7 +95,8 @@ def local_stack(purpose: str = "dev", *, migrate: bool = True) -> Iterator[Stack
             stack.database_url = settings.database_url
             admin_url = with_database(settings.database_url, "postgres")
         else:
-            folder = "pg-test" if purpose == "test" else "pg"
+            # tests and the chaos run (which restarts its server) each have a server of their own
+            folder = {"test": "pg-test", "chaos": "pg-chaos"}.get(purpose, "pg")
             stack.postgres = EmbeddedPostgres(settings.redrive_data_dir / folder)
             admin_url = stack.postgres.start()
             stack.started.append("postgres")

@@ -225,6 +225,21 @@ class Topology:
         self._spawn(name, process.service)
         self._wait(name)
 
+    def kill(self, name: str) -> None:
+        """SIGKILL one process (as the OOM killer would; a chaos run's fault) and start it again, as a
+        process supervisor would. Only its own process group: run workers the code server started live on."""
+        process = self.processes[name]
+        if process.proc.poll() is None:
+            _signal_group(process.proc.pid, signal.SIGKILL)
+            process.proc.wait(10)
+        self.respawn(name)
+
+    def respawn(self, name: str) -> None:
+        """Start an exited process again with the same command and ports."""
+        process = self.processes[name]
+        self._spawn(name, process.service)
+        self._wait(name)
+
     def _stop_one(self, process: Process) -> None:
         if process.proc.poll() is None:
             _signal_group(process.proc.pid, signal.SIGTERM)

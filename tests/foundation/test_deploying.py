@@ -60,6 +60,9 @@ def test_helm_values_run_the_code_server_command_and_the_instance_settings() -> 
     assert (retries["enabled"], retries["maxRetries"], retries["retryOnAssetOrOpFailure"]) == (
         INSTANCE["run_retries"]["enabled"], INSTANCE["run_retries"]["max_retries"],
         INSTANCE["run_retries"]["retry_on_asset_or_op_failure"])
+    monitoring = values["dagsterDaemon"]["runMonitoring"]
+    assert (monitoring["enabled"], monitoring["startTimeoutSeconds"]) == (
+        INSTANCE["run_monitoring"]["enabled"], INSTANCE["run_monitoring"]["start_timeout_seconds"])
 
 
 def test_instance_is_production_shaped_and_never_reruns_op_failures() -> None:

@@ -1,0 +1,126 @@
+"""The chaos run's verdict: pure functions over what the run submitted and what it found afterwards.
+
+Every count starts from the harness's own ledger (what it submitted, the canaries it planted), never
+from what the system reports about itself: an entity the system forgot is *lost*, not absent; a work
+row marked dead with no dead letter is lost too (its failure reached nobody). `tests/chaos/` breaks a
+build on purpose and checks that the verdict fails.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+DONE, DEAD = "done", "dead"
+
+
+@dataclass(frozen=True)
+class Settled:
+    """One pipeline's entities after the run: done, dead-lettered (dead row + active letter), lost."""
+
+    items_in: int
+    done: int
+    dead_lettered: int
+    lost: int
+    lost_refs: tuple[str, ...] = ()
+
+
+def settle(expected: int, known: Collection[str], rows: Mapping[str, str], letters: Collection[str]) -> Settled:
+    """`expected` entities were submitted, `known` of them by entity ref; `rows` maps each work row's
+    entity ref to its status; `letters` are the entity refs with an unresolved dead letter.
+
+    Lost: a row still open, a dead row without its letter, a known entity with no row, and any shortfall
+    of rows against what was submitted (evidence rows get their refs only at ingest).
+    """
+    letters = set(letters)
+    done = sum(1 for status in rows.values() if status == DONE)
+    dead = sum(1 for ref, status in rows.items() if status == DEAD and ref in letters)
+    lost_refs = sorted(ref for ref, status in rows.items() if status not in (DONE, DEAD)
+                       or (status == DEAD and ref not in letters))
+    missing_known = sorted(set(known) - set(rows))
+    shortfall = max(len(missing_known), expected - len(rows))
+    return Settled(items_in=max(expected, len(rows)), done=done, dead_lettered=dead,
+                   lost=len(lost_refs) + shortfall, lost_refs=tuple(lost_refs + missing_known)[:20])
+
+
+def duplicates(effects: Iterable[Mapping[str, Any]], key: Callable[[Mapping[str, Any]], Any]) -> int:
+    """External effects beyond the first per key (an email per recipient and version, …)."""
+    counts = Counter(key(e) for e in effects)
+    return sum(n - 1 for n in counts.values() if n > 1)
+
+
+def canaries_in(texts: Iterable[tuple[str, str]], canaries: Collection[str]) -> list[tuple[str, str]]:
+    """(where, canary) for every planted canary found verbatim in a text; `where` names the sink."""
+    found = []
+    for where, text in texts:
+        for canary in canaries:
+            if canary in text:
+                found.append((where, canary))
+    return found
+
+
+def alert_mismatches(letters: Collection[str], alerted: Iterable[str]) -> list[tuple[str, int]]:
+    """Final failures (dead letters) alerted other than exactly once; `alerted` names a letter per alert."""
+    counts = Counter(alerted)
+    return [(letter, counts.get(letter, 0)) for letter in sorted(set(letters)) if counts.get(letter, 0) != 1]
+
+
+@dataclass
+class Verdict:
+    pipeline: str
+    items_in: int
+    done: int
+    dead_lettered: int
+    lost: int
+    duplicate_effects: int
+    canaries: int
+    unreplayable: int
+    alerts_not_one: int
+    redacted: int = 0  # sink texts carrying a redaction marker: the canaries were there, and redacted
+    examples: dict[str, list[Any]] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.lost or self.duplicate_effects or self.canaries or self.unreplayable or self.alerts_not_one)
+
+    def as_json(self) -> dict[str, Any]:
+        return {**asdict(self), "failed": self.failed}
+
+
+def verdict(pipeline: str, settled: Settled, *, duplicate_effects: int, canaries: list[tuple[str, str]],
+            unreplayable: Collection[Any], alerts: list[tuple[str, int]], redacted: int = 0) -> Verdict:
+    examples: dict[str, list[Any]] = {}
+    if settled.lost_refs:
+        examples["lost"] = list(settled.lost_refs[:5])
+    if canaries:
+        examples["canaries"] = [where for where, _ in canaries[:5]]
+    if unreplayable:
+        examples["unreplayable"] = list(unreplayable)[:5]
+    if alerts:
+        examples["alerts"] = alerts[:5]
+    return Verdict(pipeline, settled.items_in, settled.done, settled.dead_lettered, settled.lost, duplicate_effects,
+                   len(canaries), len(unreplayable), len(alerts), redacted, examples)
+
+
+def failed(verdicts: Iterable[Verdict], unattributed_canaries: int = 0) -> bool:
+    return unattributed_canaries > 0 or any(v.failed for v in verdicts)
+
+
+def table(verdicts: Iterable[Verdict]) -> list[str]:
+    """The verdict as a Markdown table."""
+    head = ["pipeline", "in", "done", "dead-lettered", "lost", "duplicate effects", "canaries", "unreplayable",
+            "alerts ≠ 1", "redacted sinks", "verdict"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for v in verdicts:
+        lines.append(f"| {v.pipeline} | {v.items_in} | {v.done} | {v.dead_lettered} | {v.lost} | "
+                     f"{v.duplicate_effects} | {v.canaries} | {v.unreplayable} | {v.alerts_not_one} | {v.redacted} | "
+                     f"{'FAIL' if v.failed else 'pass'} |")
+    return lines
+
+
+def dumps(value: Any) -> str:
+    """A row or an effect as text to scan for canaries."""
+    return json.dumps(value, default=str, ensure_ascii=False)

@@ -1,0 +1,113 @@
+"""What the scale benchmark and the chaos run share: a deployment on a scratch database, the drained
+pipelines' work-queue counts, dropping evidence file jobs in the S3 inbox, and CPU over a process tree."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+import sqlalchemy as sa
+
+from bench._support import scratch_database
+from redrive import work
+from redrive.db import engine_for, upgrade_head
+from redrive.schema import work_items
+from redrive.settings import Settings
+
+
+def open_count(engine: sa.Engine, pipeline: str) -> int:
+    """Work rows of the pipeline still due or leased."""
+    with engine.connect() as conn:
+        return conn.execute(sa.select(sa.func.count()).select_from(work_items).where(
+            work_items.c.pipeline == pipeline, work_items.c.status.in_(work.OPEN_STATUSES))).scalar_one()
+
+
+def total_count(engine: sa.Engine, pipeline: str) -> int:
+    with engine.connect() as conn:
+        return conn.execute(sa.select(sa.func.count()).select_from(work_items).where(
+            work_items.c.pipeline == pipeline)).scalar_one()
+
+
+def wait_drained(engine: sa.Engine, pipeline: str, expected_total: int, timeout: float) -> int:
+    """Until every expected entity exists (evidence rows appear at ingest) and none is open; what is left open."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if total_count(engine, pipeline) >= expected_total and open_count(engine, pipeline) == 0:
+            return 0
+        time.sleep(1.0)  # polling the database for the deployment's progress; not a timing assertion
+    return open_count(engine, pipeline) + max(0, expected_total - total_count(engine, pipeline))
+
+
+def cpu_of(pids: list[int]) -> float:
+    """User + system CPU of these processes, their live descendants and every child they reaped."""
+    total, seen = 0.0, set()
+    for pid in pids:
+        try:
+            top = psutil.Process(pid)
+            procs = [top, *top.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in procs:
+            if proc.pid in seen:
+                continue
+            seen.add(proc.pid)
+            try:
+                t = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def postgres_pids(url: str) -> list[int]:
+    """The PostgreSQL server process behind `url` (its backends are its children)."""
+    engine = engine_for(url)
+    with engine.connect() as conn:
+        backend = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+    try:
+        parent = psutil.Process(backend).parent()
+    except psutil.NoSuchProcess:
+        return []
+    return [parent.pid] if parent is not None else []
+
+
+@contextmanager
+def migrated_database(name: str) -> Iterator[str]:
+    with scratch_database(name) as url:
+        upgrade_head(url)
+        yield url
+
+
+@contextmanager
+def deployment(settings: Settings, home: Path, *, only: tuple[str, ...] = ("code-server", "daemon"),
+               workers: int = 1, env: dict[str, str] | None = None) -> Iterator[Any]:
+    """The processes of `make serve` (devstack.topology) on this database; sensors ticked every 5 s."""
+    from devstack.topology import Topology
+
+    full = {"DATABASE_URL": settings.database_url or "", "REDRIVE_TIME_SCALE": str(settings.redrive_time_scale),
+            "CRITICIZER_SENSOR_INTERVAL_SECONDS": "5", "REVIEW_NOTIFICATIONS_SENSOR_INTERVAL_SECONDS": "5",
+            **(env or {})}
+    with Topology(home=home, env=full, only=list(only), workers=workers) as topology:
+        yield topology
+
+
+def drop_evidence_zips(defs: Any, zips: list[tuple[str, bytes]],
+                       notify_to: str = "merchant@example.com") -> list[tuple[str, str, str]]:
+    """Put file-job ZIPs in the evidence S3 inbox (the inbox sensor takes it from there); (bucket, key, etag)s."""
+    from assets.evidence.settings import EvidenceSettings
+    from redrive.settings import Settings as Core
+    from resources.aws import ensure_bucket
+
+    client, evidence = defs.resources["s3"].get_client(), EvidenceSettings()
+    bucket = evidence.bucket or Core().redrive_bucket
+    ensure_bucket(client, bucket)
+    dropped = []
+    for name, data in zips:
+        key = f"{evidence.inbox_prefix}{name}"
+        put = client.put_object(Bucket=bucket, Key=key, Body=data, Metadata={"notify-to": notify_to})
+        dropped.append((bucket, key, str(put["ETag"]).strip('"')))
+    return dropped
