@@ -19,6 +19,8 @@ from redrive.drain import Drain, DrainReport, Handler
 from redrive.reliability import Reliability
 from redrive.stages import StagePolicy, sanitized_failures  # noqa: F401 - also imported from here
 
+DRAIN_TAG = "redrive/drain"  # a drain run: its entities are rows with leases, not the run itself
+
 # Unclassified and infrastructure failures of the op itself (database or S3 unreachable).
 DRAIN_RETRY_POLICY = dg.RetryPolicy(max_retries=3, delay=2.0, backoff=dg.Backoff.EXPONENTIAL,
                                     jitter=dg.Jitter.PLUS_MINUS)
@@ -66,5 +68,6 @@ def drain_job(name: str, pipeline: str, op: dg.OpDefinition, *, description: str
         op()
 
     return _graph.to_job(name=name, description=description, executor_def=dg.in_process_executor,
-                         partitions_def=partitions_def, tags={"redrive/pipeline": pipeline, **(tags or {})})
+                         partitions_def=partitions_def,
+                         tags={"redrive/pipeline": pipeline, DRAIN_TAG: "true", **(tags or {})})
 

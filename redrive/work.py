@@ -176,6 +176,16 @@ def release(conn: sa.Connection, items: Sequence[WorkItem], *, now: datetime) ->
                         .values(status=DUE, due_at=now, lease_owner=None, updated_at=now)).rowcount
 
 
+def release_owner(conn: sa.Connection, owner: str, *, now: datetime) -> int:
+    """Everything a dead run still leases, due now (its process is gone: no need to wait out the lease).
+
+    Attempts stay as they are; the fencing check (`_held`) refuses a settlement of the old lease.
+    """
+    return conn.execute(sa.update(work_items).where(work_items.c.lease_owner == owner,
+                                                    work_items.c.status == LEASED)
+                        .values(status=DUE, due_at=now, lease_owner=None, updated_at=now)).rowcount
+
+
 def replay(conn: sa.Connection, pipeline: str, entity_ref: str, *, dead_letter_id: int, from_start: bool,
            now: datetime) -> bool:
     """A dead letter's replay makes its row due again with fresh budgets. False: not a drained entity."""

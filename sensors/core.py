@@ -18,7 +18,9 @@ import dagster as dg
 from dagster._core.storage.tags import WILL_RETRY_TAG
 
 from redrive import deadletters, timers, work
+from redrive.alerts import Alert
 from redrive.deadletters import DeadLetter, FinalFailure
+from redrive.drain_ops import DRAIN_TAG
 from redrive.failures import Code, Failure
 from redrive.reconcile import FailedForGood, reconcile
 from redrive.run_keys import run_key
@@ -95,7 +97,19 @@ def run_failure_alert_sensor(asset_pipelines: Mapping[dg.AssetKey, str] | None =
             return
         runtime = reliability.runtime()
         pipeline = pipeline_of_run(run.tags, run.job_name, run.asset_selection or (), asset_pipelines or {})
-        entity_ref = run.tags.get("dagster/partition") or f"run:{run.run_id}"
+        partition = run.tags.get("dagster/partition")
+        if run.tags.get(DRAIN_TAG) == "true":
+            with runtime.engine.begin() as conn:
+                released = work.release_owner(conn, f"run:{run.run_id}", now=runtime.now())
+            if partition is None:  # nothing of the run itself to replay: its entities are due again, now
+                stage, code = _failed_step(context)
+                runtime.alert(Alert(
+                    pipeline=pipeline, kind="drain_run_failed", dedupe_key=f"drain_run_failed:{run.run_id}",
+                    error_class=code, link=runtime.run_link(run.run_id),
+                    summary=sanitize_text(f"drain run {run.run_id} of {run.job_name} failed at {stage} ({code}); "
+                                          f"its {released} leased entities are due again now, none lost")[:400]))
+                return
+        entity_ref = partition or f"run:{run.run_id}"
         with runtime.engine.connect() as conn:
             letter = deadletters.active_for(conn, pipeline, entity_ref)
         if letter is not None and letter.run_id == run.run_id:

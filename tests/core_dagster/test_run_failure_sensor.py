@@ -58,3 +58,38 @@ def test_run_that_dagster_will_retry_is_not_posted(defs, sandbox) -> None:
         assert instance.get_run_by_id(result.run_id).tags.get("dagster/will_retry") == "true"
         evaluate_failure_sensor(defs, instance, result.run_id)
     assert sandbox.count("slack.message") == 0
+
+
+def test_a_killed_drain_run_gives_its_leases_back_and_is_told_once_without_a_dead_letter(
+        defs, instance, engine, sandbox) -> None:
+    """A drain run dies (its worker SIGKILLed; Dagster records the run failed): the rows it leased are due at
+    once instead of after their lease, no `run:<id>` dead letter that `redrive dlq replay` could not act on,
+    and one alert, however often the sensor sees the failure."""
+    from datetime import timedelta
+
+    import sqlalchemy as sa
+
+    from redrive import work
+    from redrive.schema import dead_letters
+
+    job = defs.resolve_job_def("criticizer_job")
+    run = instance.create_run_for_job(job_def=job, tags=job.tags)
+    with engine.begin() as conn:
+        now = conn.execute(sa.select(sa.func.now())).scalar_one()
+        for i in range(3):
+            work.enqueue(conn, "criticizer", f"killed-{run.run_id[:8]}-{i}", now=now)
+        held = work.claim(conn, "criticizer", owner=f"run:{run.run_id}", limit=3, lease_seconds=300, now=now)
+    assert len(held) == 3
+    instance.report_run_failed(run)
+
+    evaluate_failure_sensor(defs, instance, run.run_id)
+    evaluate_failure_sensor(defs, instance, run.run_id)
+
+    with engine.connect() as conn:
+        states = [work.state(conn, "criticizer", item.entity_ref) for item in held]
+        letters = conn.execute(sa.select(sa.func.count()).select_from(dead_letters)).scalar_one()
+    assert {s.status for s in states} == {"due"} and {s.lease_owner for s in states} == {None}
+    assert all(s.due_at < now + timedelta(seconds=60) for s in states)  # due now, not 300 s after the claim
+    assert letters == 0
+    [message] = sandbox.effects("slack.message")
+    assert run.run_id in message["payload"]["text"] and "3 leased entities are due again" in message["payload"]["text"]
