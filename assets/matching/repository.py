@@ -148,15 +148,38 @@ def mark_in_progress(conn: sa.Connection, document_id: str, now: datetime) -> di
 
     A `succeeded` document stays `succeeded` (a duplicate delivery re-matches it, but it already has
     its result); anything else becomes `in-progress`."""
+    return mark_deliveries(conn, [document_id], now)[0]
+
+
+def mark_deliveries(conn: sa.Connection, document_ids: Sequence[str], now: datetime) -> list[dict[str, Any] | None]:
+    """`mark_in_progress` for a received batch in one statement; one row per delivery, in order.
+
+    A document delivered twice in the batch counts two deliveries, and each delivery sees the
+    attempt number it would have seen alone (the first n - 1, the second n)."""
+    deliveries = sa.func.unnest(sa.cast(list(document_ids), ARRAY(sa.Text))).table_valued("id").render_derived(name="u")
+    counts = sa.select(deliveries.c.id, sa.func.count().label("n")).group_by(deliveries.c.id).subquery("v")
     keep_succeeded = sa.case((document.c.matching_status == SUCCEEDED, SUCCEEDED), else_=IN_PROGRESS)
-    row = conn.execute(
+    rows = conn.execute(
         sa.update(document)
-        .where(document.c.id == document_id)
-        .values(matching_status=keep_succeeded, matching_attempts=document.c.matching_attempts + 1,
+        .where(document.c.id == counts.c.id)
+        .values(matching_status=keep_succeeded, matching_attempts=document.c.matching_attempts + counts.c.n,
                 matching_started_at=now, updated_at=now)
-        .returning(*document.c)
-    ).mappings().first()
-    return _as_doc(row)
+        .returning(*document.c, counts.c.n.label("deliveries"))
+    ).mappings().all()
+    marked = {r["id"]: r for r in rows}
+    seen: dict[str, int] = {}
+    out: list[dict[str, Any] | None] = []
+    for document_id in document_ids:
+        row = marked.get(document_id)
+        if row is None:
+            out.append(None)
+            continue
+        seen[document_id] = seen.get(document_id, 0) + 1
+        doc = _as_doc({k: v for k, v in row.items() if k != "deliveries"})
+        assert doc is not None
+        doc["matching_attempts"] = row["matching_attempts"] - row["deliveries"] + seen[document_id]
+        out.append(doc)
+    return out
 
 
 def lock_status(conn: sa.Connection, document_id: str) -> str | None:

@@ -19,10 +19,11 @@ returns an empty result on failure: the LLM's answer is a valid decision or an e
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,7 @@ class WorkerConfig:
     candidate_limit: int = 10
     batch_size: int = 5
     in_flight: int | None = None  # messages processed at once by a drain; None: two batches
+    receivers: int = 2  # threads receiving batches in parallel (each waits for a batch's worth of free threads)
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,43 @@ class DrainReport:
         return [o for o in self.outcomes if o.action is None]
 
 
+class _Intake:
+    """The drain's free threads and batch budget, shared by its receivers."""
+
+    def __init__(self, free: int, max_batches: int) -> None:
+        self.lock = threading.Condition()
+        self.free, self.max_batches, self.batches, self.stopped = free, max_batches, 0, False
+
+    def reserve(self, size: int) -> bool:
+        """Wait for `size` free threads and count a batch; False once the drain stops or the budget is spent."""
+        with self.lock:
+            self.lock.wait_for(lambda: self.stopped or self.batches >= self.max_batches or self.free >= size)
+            if self.stopped or self.batches >= self.max_batches:
+                return False
+            self.free -= size
+            self.batches += 1
+            return True
+
+    def unreserve(self, size: int) -> None:
+        """The receive came back empty: no batch, threads free again."""
+        with self.lock:
+            self.batches -= 1
+            self.free += size
+            self.lock.notify_all()
+
+    def release(self, n: int) -> None:
+        with self.lock:
+            self.free += n
+            self.lock.notify_all()
+
+    def stop(self, *, unreserve: int) -> None:
+        with self.lock:
+            self.batches -= 1
+            self.free += unreserve
+            self.stopped = True
+            self.lock.notify_all()
+
+
 @dataclass
 class Worker:
     runtime: Reliability
@@ -112,58 +151,120 @@ class Worker:
     def drain(self, *, max_batches: int, wait_seconds: int = 0) -> DrainReport:
         """Receive batches until the queue answers empty (after its long poll) or the batch budget is spent.
 
-        Pipelined: the next batch is received while earlier ones are processed, up to
-        `config.in_flight` messages at once, one thread each. A message is received only when a
-        thread is free for it, so none waits in a buffer while its 60 s visibility runs, and none
-        waits out its visibility behind another's LLM retries.
+        Pipelined: `config.receivers` threads receive (short polls while messages come, the long
+        poll only when one came back empty) while up to `config.in_flight` messages are processed,
+        one thread each. A batch is received only when a batch's worth of threads is free, so no
+        message waits in a buffer while its 60 s visibility runs, and none waits out its visibility
+        behind another's LLM retries. Each batch's documents are marked in one statement; deletes
+        and visibility changes of concurrent threads leave in batch calls (`MatchingQueue`).
         """
-        outcomes: list[Outcome] = []
-        batches = 0
         size = self.config.batch_size
         limit = max(size, self.config.in_flight or 2 * size)
+        intake = _Intake(limit, max_batches)
+        outcomes: list[Outcome] = []
+        running: list[Future[Outcome]] = []
         own_http = self.http is None
         if own_http:
             self.http = httpx.Client(timeout=self.llm.timeout_seconds,
                                      limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))
+
+        def task(deliver: Callable[[], Outcome]) -> Outcome:
+            try:
+                return deliver()
+            finally:
+                intake.release(1)
+
+        def receive() -> None:
+            poll = 0  # short polls while the queue answers; the long poll only to confirm it is empty
+            while intake.reserve(size):
+                try:
+                    messages = self.queue.receive(size, poll)
+                except BaseException:
+                    intake.stop(unreserve=size)
+                    raise
+                if not messages:
+                    if poll == wait_seconds:  # empty after the long poll: the drain is done
+                        intake.stop(unreserve=size)
+                        return
+                    intake.unreserve(size)
+                    poll = wait_seconds
+                    continue
+                poll = 0
+                intake.release(size - len(messages))
+                deliveries = self.admit_safely(messages)
+                with intake.lock:
+                    running.extend(pool.submit(task, d) for d in deliveries)
+
         try:
-            with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="matching") as pool:
-                running: set[Future[Outcome]] = set()
-                while batches < max_batches:
-                    while len(running) > limit - size:  # a batch's worth of free threads before receiving
-                        done, running = wait(running, return_when=FIRST_COMPLETED)
-                        outcomes += [f.result() for f in done]
-                    messages = self.queue.receive(size, wait_seconds)
-                    if not messages:
-                        break
-                    batches += 1
-                    running |= {pool.submit(self.handle_safely, m) for m in messages}
-                outcomes += [f.result() for f in wait(running).done]
+            with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="matching") as pool, \
+                    ThreadPoolExecutor(max_workers=max(1, self.config.receivers),
+                                       thread_name_prefix="matching-receive") as receivers:
+                received = [receivers.submit(receive) for _ in range(max(1, self.config.receivers))]
+                wait(received)
+                outcomes = [f.result() for f in wait(running).done]
+                for r in received:
+                    r.result()  # a receive that failed (SQS down) fails the drain, after the in-flight work
         finally:
             if own_http and self.http is not None:
                 self.http.close()
                 self.http = None
-        return DrainReport(outcomes, batches)
+        return DrainReport(outcomes, intake.batches)
 
     def handle_safely(self, message: ReceivedMessage) -> Outcome:
         """The flow's own bookkeeping failed (database or SQS down): leave the message; SQS redelivers it."""
-        try:
-            return self.handle(message)
-        except Exception as exc:  # noqa: BLE001 - reported in the run's outcome and log, message left for SQS
+        return self.admit_safely([message])[0]()
+
+    def admit_safely(self, messages: list[ReceivedMessage]) -> list[Callable[[], Outcome]]:
+        """`admit`, with each delivery's bookkeeping failure reported as an outcome (message left for SQS)."""
+        def left(message: ReceivedMessage, exc: Exception) -> Outcome:
             failure = classify(exc)
             self.log.error(f"matching: message {message.message_id} left for redelivery: "
                            f"{failure.code}: {failure.message}")
             return Outcome(message.message_id, None, None, message.receive_count, code=failure.code)
 
+        def safely(message: ReceivedMessage, deliver: Callable[[], Outcome]) -> Callable[[], Outcome]:
+            def run() -> Outcome:
+                try:
+                    return deliver()
+                except Exception as exc:  # noqa: BLE001 - reported in the run's outcome and log
+                    return left(message, exc)
+            return run
+
+        try:
+            admitted = self.admit(messages)
+        except Exception as exc:  # noqa: BLE001 - the batch's mark failed: every message stays in SQS
+            return [lambda m=m, e=exc: left(m, e) for m in messages]
+        return [safely(m, d) for m, d in zip(messages, admitted, strict=True)]
+
     # -- one delivery ------------------------------------------------------------------------
 
     def handle(self, message: ReceivedMessage) -> Outcome:
-        try:
-            body = MatchingMessage.model_validate_json(message.body)
-        except ValidationError as exc:
-            return self._quarantine(message, exc)
-        now = self.runtime.now()
-        with self.runtime.engine.begin() as conn:
-            doc = repository.mark_in_progress(conn, body.document_id, now)
+        return self.admit([message])[0]()
+
+    def admit(self, messages: list[ReceivedMessage]) -> list[Callable[[], Outcome]]:
+        """Parse a received batch and mark its documents in progress (one statement); one delivery each."""
+        bodies: list[MatchingMessage | ValidationError] = []
+        for message in messages:
+            try:
+                bodies.append(MatchingMessage.model_validate_json(message.body))
+            except ValidationError as exc:
+                bodies.append(exc)
+        ids = [b.document_id for b in bodies if isinstance(b, MatchingMessage)]
+        marked: list[dict[str, Any] | None] = []
+        if ids:
+            with self.runtime.engine.begin() as conn:
+                marked = repository.mark_deliveries(conn, ids, self.runtime.now())
+        docs = iter(marked)
+        out: list[Callable[[], Outcome]] = []
+        for message, body in zip(messages, bodies, strict=True):
+            if isinstance(body, ValidationError):
+                out.append(lambda m=message, e=body: self._quarantine(m, e))
+            else:
+                out.append(lambda m=message, b=body, d=next(docs): self._deliver(m, b, d))
+        return out
+
+    def _deliver(self, message: ReceivedMessage, body: MatchingMessage, doc: dict[str, Any] | None) -> Outcome:
+        """000's flow from `in-progress` on: match, then delete, or decide on the failure."""
         if doc is None:
             failure = MATCHING.apply(Failure.of(Code.NOT_FOUND, message="document not found"))
             letter = self._notify(body.document_id, None, failure, message.receive_count, message, stack="")
