@@ -64,6 +64,12 @@ class GroupCommit:
     _busy: bool = False
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
+    @property
+    def pending(self) -> int:
+        """Entries waiting for the next call."""
+        with self._cond:
+            return len(self._waiting)
+
     def __call__(self, **fields: Any) -> None:
         mine = _Entry(fields)
         with self._cond:

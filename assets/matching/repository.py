@@ -214,6 +214,22 @@ def save_prepared(conn: sa.Connection, document_id: str, prepared: Prepared) -> 
     )
 
 
+def save_prepared_many(conn: sa.Connection, prepared: Sequence[tuple[str, Prepared]]) -> None:
+    """`save_prepared` for a received batch, in one statement."""
+    if not prepared:
+        return
+    rows = sa.values(
+        sa.column("id", sa.Text), sa.column("searchable_text", sa.Text), sa.column("counterparty", sa.Text),
+        sa.column("refs", ARRAY(sa.Text)), sa.column("embedding", sa.LargeBinary), sa.column("bands", ARRAY(sa.Integer)),
+        name="v",
+    ).data([(i, p.searchable_text, p.normalized_counterparty, list(p.normalized_references),
+             policy.to_bytes(p.embedding), list(p.bands)) for i, p in prepared])
+    conn.execute(sa.update(document).where(document.c.id == rows.c.id).values(
+        searchable_text=rows.c.searchable_text, normalized_counterparty=rows.c.counterparty,
+        normalized_references=sa.cast(rows.c.refs, ARRAY(sa.Text)), embedding=rows.c.embedding,
+        embedding_bands=sa.cast(rows.c.bands, ARRAY(sa.Integer))))
+
+
 def get(conn: sa.Connection, document_id: str) -> dict[str, Any] | None:
     row = conn.execute(sa.select(document).where(document.c.id == document_id)).mappings().first()
     return _as_doc(row)

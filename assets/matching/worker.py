@@ -25,13 +25,13 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 from pydantic import ValidationError
 
 from assets.matching import policy, repository
-from assets.matching.policy import PIPELINE, Action, Embedder, MatchDecision, MatchingMessage
+from assets.matching.policy import PIPELINE, Action, Embedder, MatchDecision, MatchingMessage, Prepared
 from assets.matching.repository import WriteHooks
 from redrive.backoff import MATCHING_LLM_BACKOFF
 from redrive.clock import Sleep
@@ -62,6 +62,11 @@ class WorkerConfig:
     batch_size: int = 5
     in_flight: int | None = None  # messages processed at once by a drain; None: two batches
     receivers: int = 2  # threads receiving batches in parallel (each waits for a batch's worth of free threads)
+
+
+class Retrieved(NamedTuple):
+    prepared: Prepared
+    candidates: list[policy.Candidate]
 
 
 @dataclass(frozen=True)
@@ -242,7 +247,9 @@ class Worker:
         return self.admit([message])[0]()
 
     def admit(self, messages: list[ReceivedMessage]) -> list[Callable[[], Outcome]]:
-        """Parse a received batch and mark its documents in progress (one statement); one delivery each."""
+        """Parse a received batch, mark its documents in progress (one statement, committed), then
+        pre-process them (one statement, committed on its own as 000 says) and retrieve their
+        candidates on the same connection; one delivery each, which asks the LLM and writes."""
         bodies: list[MatchingMessage | ValidationError] = []
         for message in messages:
             try:
@@ -254,16 +261,42 @@ class Worker:
         if ids:
             with self.runtime.engine.begin() as conn:
                 marked = repository.mark_deliveries(conn, ids, self.runtime.now())
+        ready = self._prepare_and_retrieve([d for d in marked if d is not None])
         docs = iter(marked)
         out: list[Callable[[], Outcome]] = []
         for message, body in zip(messages, bodies, strict=True):
             if isinstance(body, ValidationError):
                 out.append(lambda m=message, e=body: self._quarantine(m, e))
             else:
-                out.append(lambda m=message, b=body, d=next(docs): self._deliver(m, b, d))
+                doc = next(docs)
+                out.append(lambda m=message, b=body, d=doc, r=ready.get(doc["id"]) if doc else None:
+                           self._deliver(m, b, d, r))
         return out
 
-    def _deliver(self, message: ReceivedMessage, body: MatchingMessage, doc: dict[str, Any] | None) -> Outcome:
+    def _prepare_and_retrieve(self, docs: list[dict[str, Any]]) -> dict[str, Retrieved]:
+        """The batch's pre-processing and retrieval on one connection. A document whose pre-processing
+        fails, or all of them if the database does, is left out: its delivery does both itself (and
+        meets the failure there, where it is classified and decided on)."""
+        prepared: dict[str, Prepared] = {}
+        for doc in docs:
+            try:
+                prepared[doc["id"]] = policy.prepare(doc, self.embedder)
+            except Exception:  # noqa: BLE001 - raised again by the document's own delivery
+                continue
+        if not prepared:
+            return {}
+        try:
+            with self.runtime.engine.connect() as conn:
+                with conn.begin():
+                    repository.save_prepared_many(conn, sorted(prepared.items()))
+                return {doc_id: Retrieved(p, repository.retrieve_candidates(conn, doc_id, doc["tenant"], p))
+                        for doc in docs if (p := prepared.get(doc_id := doc["id"])) is not None}
+        except Exception as exc:  # noqa: BLE001 - each delivery retries it alone
+            self.log.warning(f"matching: batch pre-processing failed ({classify(exc).code}); per document instead")
+            return {}
+
+    def _deliver(self, message: ReceivedMessage, body: MatchingMessage, doc: dict[str, Any] | None,
+                 ready: Retrieved | None = None) -> Outcome:
         """000's flow from `in-progress` on: match, then delete, or decide on the failure."""
         if doc is None:
             failure = MATCHING.apply(Failure.of(Code.NOT_FOUND, message="document not found"))
@@ -274,7 +307,7 @@ class Worker:
 
         calls = [0]
         try:
-            edges = self.match(doc, message, calls)
+            edges = self.match(doc, message, calls, ready)
         except Exception as exc:  # noqa: BLE001 - every failure is classified and decided on
             return self._after_failure(message, doc, classify(exc), exc, calls[0])
         if doc["matching_error"] is not None:  # it failed before: close its (replayed) dead letter, if any
@@ -283,13 +316,18 @@ class Worker:
         return Outcome(message.message_id, doc["id"], Action.SUCCEEDED, message.receive_count,
                        deleted=deleted, llm_calls=calls[0], edges=edges)
 
-    def match(self, doc: dict[str, Any], message: ReceivedMessage | None, calls: list[int]) -> int:
-        """Pre-process (committed on its own), retrieve, decide, write; returns the number of edges."""
-        prepared = policy.prepare(doc, self.embedder)
-        with self.runtime.engine.begin() as conn:
-            repository.save_prepared(conn, doc["id"], prepared)
-        with self.runtime.engine.connect() as conn:
-            found = repository.retrieve_candidates(conn, doc["id"], doc["tenant"], prepared)
+    def match(self, doc: dict[str, Any], message: ReceivedMessage | None, calls: list[int],
+              ready: Retrieved | None = None) -> int:
+        """Pre-process (committed on its own), retrieve, decide, write; returns the number of edges.
+        `ready`: pre-processing and retrieval already done for the batch (`admit`)."""
+        if ready is None:
+            prepared = policy.prepare(doc, self.embedder)
+            with self.runtime.engine.begin() as conn:
+                repository.save_prepared(conn, doc["id"], prepared)
+            with self.runtime.engine.connect() as conn:
+                found = repository.retrieve_candidates(conn, doc["id"], doc["tenant"], prepared)
+        else:
+            prepared, found = ready
         candidates = policy.rank_candidates(prepared, found, self.config.candidate_limit)
         decision = self.decide(doc, candidates, message, calls) if candidates else MatchDecision(matches=[])
         edges = policy.edges_from(doc["id"], decision, candidates)
