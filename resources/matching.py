@@ -256,6 +256,7 @@ class MatchingResource(ConfigurableResource):
     visibility_timeout_seconds: int = 60
     max_receive_count: int = 3
     batch_size: int = 5
+    receivers: int = 2
     max_batches_per_run: int = 100
     receive_wait_seconds: int = 1
     max_concurrent_drains: int = 1

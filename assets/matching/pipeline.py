@@ -43,6 +43,7 @@ def build_worker(context: dg.OpExecutionContext, reliability: ReliabilityResourc
             llm_max_attempts=matching.llm_max_attempts,
             candidate_limit=matching.candidate_limit,
             batch_size=matching.batch_size,
+            receivers=matching.receivers,
         ),
         admin_link=matching.admin_link,
         sleep=lambda seconds: time.sleep(seconds * scale),  # REDRIVE_TIME_SCALE shrinks 2 s → 4 s → 8 s

@@ -21,6 +21,7 @@ def matching_resource(settings: Settings, matching: MatchingSettings) -> Matchin
         visibility_timeout_seconds=matching.visibility_timeout_seconds,
         max_receive_count=matching.max_receive_count,
         batch_size=matching.batch_size,
+        receivers=matching.receivers,
         max_batches_per_run=matching.max_batches_per_run,
         receive_wait_seconds=matching.receive_wait_seconds,
         max_concurrent_drains=matching.max_concurrent_drains,
