@@ -59,15 +59,37 @@ def test_deletes_waiting_behind_a_call_leave_together_and_a_stale_handle_fails_a
     assert queue.depth().visible == queue.depth().in_flight == 0
 
 
-def test_concurrent_visibility_changes_each_reach_their_message(queue) -> None:
-    """Ten threads hide or release their messages at once (batched or not): each message gets its own timeout."""
+def test_concurrent_visibility_changes_leave_in_one_batch_each_with_its_own_timeout(queue) -> None:
+    """MatchingQueue.change_visibility from ten threads: the first call alone, the nine behind it in one
+    ChangeMessageVisibilityBatch; released messages come back at once, hidden ones do not."""
     for i in range(10):
         queue.publish(f"v-{i}")
     messages = queue.receive(10, 0)
     assert len(messages) == 10
+    client = queue.client
+    single, batch = client.change_message_visibility, client.change_message_visibility_batch
+    first_in_flight, others_waiting = threading.Event(), threading.Event()
+    batches: list[int] = []
+
+    def held(**kw):
+        first_in_flight.set()
+        others_waiting.wait(timeout=30)
+        return single(**kw)
+
+    client.change_message_visibility = held
+    client.change_message_visibility_batch = lambda **kw: (batches.append(len(kw["Entries"])), batch(**kw))[1]
+    group = queue._group("visibility", queue.url)
     with ThreadPoolExecutor(max_workers=10) as pool:
-        list(pool.map(lambda im: queue.change_visibility(im[1].receipt_handle, 0 if im[0] % 2 else 600),
-                      enumerate(messages)))
+        first = pool.submit(queue.change_visibility, messages[0].receipt_handle, 600)
+        assert first_in_flight.wait(timeout=30)
+        rest = [pool.submit(queue.change_visibility, m.receipt_handle, 0 if i % 2 else 600)
+                for i, m in enumerate(messages) if i]
+        while group.pending < 9:
+            threading.Event().wait(0.001)
+        others_waiting.set()
+        for f in [first, *rest]:
+            f.result()
+    assert batches == [9]
     again = queue.receive(10, 0)
     assert sorted(m.message_id for m in again) == sorted(m.message_id for i, m in enumerate(messages) if i % 2)
 
