@@ -168,59 +168,99 @@ def ms(values: list[float]) -> str:
     return f"median {statistics.median(values) * 1000:7.2f} ms, p95 {p95 * 1000:7.2f} ms"
 
 
+ROUNDS = int(os.environ.get("BENCH_MATCHING_ROUNDS", "3"))
+
+
+def _stack_cpu() -> dict[str, float]:
+    """CPU seconds so far of this process and of its moto and sandbox (PostgreSQL's backends come and go)."""
+    import psutil
+
+    me = psutil.Process()
+    cpu = {"worker": sum(me.cpu_times()[:2]), "moto": 0.0, "sandbox": 0.0}
+    for child in me.children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+            name = "moto" if "moto" in cmd else "sandbox" if "devstack.sandbox" in cmd else None
+            if name:
+                cpu[name] += sum(child.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return cpu
+
+
 def throughput(url: str, settings: Settings) -> None:
+    """ROUNDS interleaved rounds of (raw LLM, moto floor, worker), each on a fresh backlog; medians."""
     engine = engine_for(url)
     sandbox = SandboxClient(os.environ["SANDBOX_URL"])
     sandbox.reset()
     sandbox.set_default("llm", content='{"matches": [{"candidate": 1, "confidence": 0.9, "reason": "bench"}]}')
-    session = uuid.uuid4().hex[:8]  # a fresh queue pair: nothing left over from an earlier session
-    matching = MatchingResource(endpoint_url=os.environ["AWS_ENDPOINT_URL"], queue_name=f"bench-matching-{session}",
-                                dlq_name=f"bench-matching-{session}-dlq")
-    queue = matching.queue()
-    queue.ensure()
     llm = LlmResource(base_url=settings.llm_url or "", api_key="bench", timeout_seconds=10)
     runtime = Reliability(engine=engine)
     config = WorkerConfig(batch_size=BATCH)
     in_flight = config.in_flight or 2 * config.batch_size  # what Worker.drain keeps in flight
-    rng = np.random.default_rng(11)
-    docs = [{**synthetic(i, rng), "id": f"tp-{i:05d}", "tenant": "bench-throughput"} for i in range(THROUGHPUT_DOCS)]
-
-    # baseline: the same number of LLM calls, the drain's concurrency, prompts of the same shape
-    sample = [policy.build_messages(d, []) for d in docs]
-    schema = policy.decision_schema(10)
     import httpx
 
-    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
-    with httpx.Client(timeout=10, limits=limits) as http, ThreadPoolExecutor(max_workers=in_flight) as pool:
+    rates: dict[str, list[float]] = {"llm": [], "floor": [], "worker": []}
+    cpu_per_doc: dict[str, list[float]] = {}
+    calls = matched = 0
+    for r in range(ROUNDS):
+        session = uuid.uuid4().hex[:8]  # a fresh queue pair: nothing left over from an earlier round
+        matching = MatchingResource(endpoint_url=os.environ["AWS_ENDPOINT_URL"],
+                                    queue_name=f"bench-matching-{session}", dlq_name=f"bench-matching-{session}-dlq")
+        queue = matching.queue()
+        queue.ensure()
+        rng = np.random.default_rng(11 + r)
+        docs = [{**synthetic(i, rng), "id": f"tp{r}-{i:05d}", "tenant": f"bench-throughput-{r}"}
+                for i in range(THROUGHPUT_DOCS)]
+
+        # baseline: the same number of LLM calls, the drain's concurrency, prompts of the same shape
+        sample = [policy.build_messages(d, []) for d in docs]
+        schema = policy.decision_schema(10)
+        limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
+        with httpx.Client(timeout=10, limits=limits) as http, ThreadPoolExecutor(max_workers=in_flight) as pool:
+            began = time.perf_counter()
+            list(pool.map(lambda m: llm.chat_json(m, schema, client=http), sample))
+            rates["llm"].append(len(sample) / (time.perf_counter() - began))
+
+        # floor: the same backlog on moto, only received (batch size) and deleted in one batch call, no work
+        for i in range(THROUGHPUT_DOCS):
+            queue.publish(f"floor-{i}")
         began = time.perf_counter()
-        list(pool.map(lambda m: llm.chat_json(m, schema, client=http), sample))
-        llm_rate = len(sample) / (time.perf_counter() - began)
+        floor = 0
+        while batch := queue.receive(config.batch_size, 0):
+            queue.client.delete_message_batch(QueueUrl=queue.url, Entries=[
+                {"Id": str(k), "ReceiptHandle": m.receipt_handle} for k, m in enumerate(batch)])
+            floor += len(batch)
+        rates["floor"].append(floor / (time.perf_counter() - began))
 
-    # floor: the same backlog on moto, only received (batch size) and deleted, no work at all
-    for i in range(THROUGHPUT_DOCS):
-        queue.publish(f"floor-{i}")
-    began = time.perf_counter()
-    floor = 0
-    while batch := queue.receive(config.batch_size, 0):
-        queue.client.delete_message_batch(QueueUrl=queue.url, Entries=[
-            {"Id": str(k), "ReceiptHandle": m.receipt_handle} for k, m in enumerate(batch)])
-        floor += len(batch)
-    sqs_rate = floor / (time.perf_counter() - began)
+        ingestion.ingest(engine, queue, docs)
+        worker = Worker(runtime=runtime, queue=queue, llm=llm, config=config, sleep=lambda s: None, log=_Quiet())
+        cpu0 = _stack_cpu()
+        began = time.perf_counter()
+        report = worker.drain(max_batches=10**6, wait_seconds=0)
+        elapsed = time.perf_counter() - began
+        cpu1 = _stack_cpu()
+        done = report.counts.get("succeeded", 0)
+        matched += done
+        calls += sum(o.llm_calls for o in report.outcomes)
+        rates["worker"].append(done / elapsed)
+        for k in cpu0:
+            cpu_per_doc.setdefault(k, []).append((cpu1[k] - cpu0[k]) / max(1, done) * 1000)
 
-    ingestion.ingest(engine, queue, docs)
-    worker = Worker(runtime=runtime, queue=queue, llm=llm, config=config, sleep=lambda s: None,
-                    log=_Quiet())
-    began = time.perf_counter()
-    report = worker.drain(max_batches=10**6, wait_seconds=0)
-    elapsed = time.perf_counter() - began
-    matched = report.counts.get("succeeded", 0)
-    calls = sum(o.llm_calls for o in report.outcomes)
-    print(f"throughput: {matched} documents matched in {elapsed:.2f}s = {matched / elapsed:.1f} docs/s "
-          f"({calls} LLM calls, batch size {config.batch_size}, {in_flight} in flight)")
-    print(f"  baseline: raw sandbox LLM calls, same concurrency: {llm_rate:.1f} calls/s")
-    print(f"  ratio worker docs/s ÷ raw LLM calls/s: {matched / elapsed / llm_rate:.2f}  (issue 14 target ≥ 0.5)")
-    print(f"  floor: moto SQS alone, receive {config.batch_size} + one batch delete, no work: {sqs_rate:.1f} msgs/s "
-          f"= {sqs_rate / llm_rate:.2f} × the raw LLM rate; worker = {matched / elapsed / sqs_rate:.2f} × the floor")
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print(f"throughput: {THROUGHPUT_DOCS} documents per round, {ROUNDS} interleaved rounds, medians "
+          f"({matched} matched, {calls} LLM calls, batch size {config.batch_size}, {in_flight} in flight, "
+          f"{getattr(config, 'receivers', 1)} receivers)")
+    print(f"  worker: {med['worker']:.1f} docs/s  (rounds: {', '.join(f'{v:.1f}' for v in rates['worker'])})")
+    print(f"  baseline: raw sandbox LLM calls, same concurrency: {med['llm']:.1f} calls/s  "
+          f"(rounds: {', '.join(f'{v:.1f}' for v in rates['llm'])})")
+    print(f"  ratio worker docs/s ÷ raw LLM calls/s: {med['worker'] / med['llm']:.2f}  (issue 14 target ≥ 0.5; "
+          f"per round: {', '.join(f'{w / b:.2f}' for w, b in zip(rates['worker'], rates['llm'], strict=True))})")
+    print(f"  floor: moto SQS alone, receive {config.batch_size} + one DeleteMessageBatch, no work: "
+          f"{med['floor']:.1f} msgs/s = {med['floor'] / med['llm']:.2f} × the raw LLM rate; "
+          f"worker = {med['worker'] / med['floor']:.2f} × the floor")
+    print("  CPU ms per document matched (median of rounds): "
+          + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in cpu_per_doc.items()))
 
 
 class _Quiet:

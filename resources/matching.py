@@ -8,7 +8,9 @@ ChangeMessageVisibility for the receive count's step, and the redrive policy
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from botocore.exceptions import ClientError
@@ -36,8 +38,80 @@ class ReceivedMessage:
     receive_count: int  # ApproximateReceiveCount: 1 on the first delivery
 
 
+SQS_BATCH_LIMIT = 10  # entries per DeleteMessageBatch / ChangeMessageVisibilityBatch
+
+
+@dataclass
+class _Entry:
+    fields: dict[str, Any]
+    done: bool = False
+    error: Exception | None = None
+
+
+@dataclass
+class GroupCommit:
+    """Concurrent callers' entries leave in one batch call (group commit, no added delay).
+
+    The first caller sends at once; whoever calls while that request is in flight waits for it and
+    then goes out with the others in the next one, up to `SQS_BATCH_LIMIT`. A lone caller's entry
+    goes through `single` (the plain call, its error raised as it is); a batch's per-entry failures
+    are raised to their own callers. Each caller returns only when its entry is settled.
+    """
+
+    single: Callable[[dict[str, Any]], None]
+    batch: Callable[[list[dict[str, Any]]], dict[str, Any]]
+    _waiting: list[_Entry] = field(default_factory=list)
+    _busy: bool = False
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+
+    @property
+    def pending(self) -> int:
+        """Entries waiting for the next call."""
+        with self._cond:
+            return len(self._waiting)
+
+    def __call__(self, **fields: Any) -> None:
+        mine = _Entry(fields)
+        with self._cond:
+            self._waiting.append(mine)
+            while not mine.done:
+                if self._busy:
+                    self._cond.wait()
+                    continue
+                group, self._waiting = self._waiting[:SQS_BATCH_LIMIT], self._waiting[SQS_BATCH_LIMIT:]
+                self._busy = True
+                self._cond.release()
+                try:
+                    self._send(group)
+                finally:
+                    self._cond.acquire()
+                    self._busy = False
+                    self._cond.notify_all()
+        if mine.error is not None:
+            raise mine.error
+
+    def _send(self, group: list[_Entry]) -> None:
+        try:
+            if len(group) == 1:
+                self.single(group[0].fields)
+            else:
+                reply = self.batch([{"Id": str(i), **e.fields} for i, e in enumerate(group)])
+                for failed in reply.get("Failed", []):
+                    error = {"Code": failed.get("Code", ""), "Message": failed.get("Message", "")}
+                    group[int(failed["Id"])].error = ClientError({"Error": error}, "batch entry")
+        except Exception as exc:  # noqa: BLE001 - the call failed for every entry in it
+            for e in group:
+                e.error = exc
+        for e in group:
+            e.done = True
+
+
 class MatchingQueue:
-    """The few SQS calls the worker, its sensor, ingestion and set-up make."""
+    """The few SQS calls the worker, its sensor, ingestion and set-up make.
+
+    Thread-safe (boto3 clients are): the drain's threads share one queue, and their deletes and
+    visibility changes are grouped into batch calls (`GroupCommit`).
+    """
 
     def __init__(self, client: Any, sqs: SqsResource, queue_name: str, dlq_name: str, visibility_timeout: int,
                  max_receive_count: int) -> None:
@@ -46,6 +120,8 @@ class MatchingQueue:
         self.visibility_timeout, self.max_receive_count = visibility_timeout, max_receive_count
         self._url: str | None = None
         self._dlq_url: str | None = None
+        self._groups: dict[tuple[str, str], GroupCommit] = {}
+        self._groups_lock = threading.Lock()
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -132,11 +208,27 @@ class MatchingQueue:
         ]
 
     def delete(self, receipt_handle: str, *, dlq: bool = False) -> None:
-        self.client.delete_message(QueueUrl=self.dlq_url if dlq else self.url, ReceiptHandle=receipt_handle)
+        """DeleteMessage, or one entry of a DeleteMessageBatch when other threads delete at the same time."""
+        self._group("delete", self.dlq_url if dlq else self.url)(ReceiptHandle=receipt_handle)
 
     def change_visibility(self, receipt_handle: str, seconds: int) -> None:
-        self.client.change_message_visibility(QueueUrl=self.url, ReceiptHandle=receipt_handle,
-                                              VisibilityTimeout=int(seconds))
+        """ChangeMessageVisibility, batched like `delete`."""
+        self._group("visibility", self.url)(ReceiptHandle=receipt_handle, VisibilityTimeout=int(seconds))
+
+    def _group(self, call: str, url: str) -> GroupCommit:
+        with self._groups_lock:
+            group = self._groups.get((call, url))
+            if group is None:
+                c = self.client
+                if call == "delete":
+                    group = GroupCommit(lambda f: c.delete_message(QueueUrl=url, **f),
+                                        lambda entries: c.delete_message_batch(QueueUrl=url, Entries=entries))
+                else:
+                    group = GroupCommit(lambda f: c.change_message_visibility(QueueUrl=url, **f),
+                                        lambda entries: c.change_message_visibility_batch(QueueUrl=url,
+                                                                                          Entries=entries))
+                self._groups[(call, url)] = group
+            return group
 
     def move_to_dlq(self, message: ReceivedMessage, reason: str) -> None:
         """A message no delivery can process (not a matching message at all): keep it in the DLQ, now."""
@@ -164,6 +256,7 @@ class MatchingResource(ConfigurableResource):
     visibility_timeout_seconds: int = 60
     max_receive_count: int = 3
     batch_size: int = 5
+    receivers: int = 2
     max_batches_per_run: int = 100
     receive_wait_seconds: int = 1
     max_concurrent_drains: int = 1

@@ -148,15 +148,38 @@ def mark_in_progress(conn: sa.Connection, document_id: str, now: datetime) -> di
 
     A `succeeded` document stays `succeeded` (a duplicate delivery re-matches it, but it already has
     its result); anything else becomes `in-progress`."""
+    return mark_deliveries(conn, [document_id], now)[0]
+
+
+def mark_deliveries(conn: sa.Connection, document_ids: Sequence[str], now: datetime) -> list[dict[str, Any] | None]:
+    """`mark_in_progress` for a received batch in one statement; one row per delivery, in order.
+
+    A document delivered twice in the batch counts two deliveries, and each delivery sees the
+    attempt number it would have seen alone (the first n - 1, the second n)."""
+    deliveries = sa.func.unnest(sa.cast(list(document_ids), ARRAY(sa.Text))).table_valued("id").render_derived(name="u")
+    counts = sa.select(deliveries.c.id, sa.func.count().label("n")).group_by(deliveries.c.id).subquery("v")
     keep_succeeded = sa.case((document.c.matching_status == SUCCEEDED, SUCCEEDED), else_=IN_PROGRESS)
-    row = conn.execute(
+    rows = conn.execute(
         sa.update(document)
-        .where(document.c.id == document_id)
-        .values(matching_status=keep_succeeded, matching_attempts=document.c.matching_attempts + 1,
+        .where(document.c.id == counts.c.id)
+        .values(matching_status=keep_succeeded, matching_attempts=document.c.matching_attempts + counts.c.n,
                 matching_started_at=now, updated_at=now)
-        .returning(*document.c)
-    ).mappings().first()
-    return _as_doc(row)
+        .returning(*document.c, counts.c.n.label("deliveries"))
+    ).mappings().all()
+    marked = {r["id"]: r for r in rows}
+    seen: dict[str, int] = {}
+    out: list[dict[str, Any] | None] = []
+    for document_id in document_ids:
+        row = marked.get(document_id)
+        if row is None:
+            out.append(None)
+            continue
+        seen[document_id] = seen.get(document_id, 0) + 1
+        doc = _as_doc({k: v for k, v in row.items() if k != "deliveries"})
+        assert doc is not None
+        doc["matching_attempts"] = row["matching_attempts"] - row["deliveries"] + seen[document_id]
+        out.append(doc)
+    return out
 
 
 def lock_status(conn: sa.Connection, document_id: str) -> str | None:
@@ -189,6 +212,22 @@ def save_prepared(conn: sa.Connection, document_id: str, prepared: Prepared) -> 
             embedding_bands=prepared.bands,
         )
     )
+
+
+def save_prepared_many(conn: sa.Connection, prepared: Sequence[tuple[str, Prepared]]) -> None:
+    """`save_prepared` for a received batch, in one statement."""
+    if not prepared:
+        return
+    rows = sa.values(
+        sa.column("id", sa.Text), sa.column("searchable_text", sa.Text), sa.column("counterparty", sa.Text),
+        sa.column("refs", ARRAY(sa.Text)), sa.column("embedding", sa.LargeBinary), sa.column("bands", ARRAY(sa.Integer)),
+        name="v",
+    ).data([(i, p.searchable_text, p.normalized_counterparty, list(p.normalized_references),
+             policy.to_bytes(p.embedding), list(p.bands)) for i, p in prepared])
+    conn.execute(sa.update(document).where(document.c.id == rows.c.id).values(
+        searchable_text=rows.c.searchable_text, normalized_counterparty=rows.c.counterparty,
+        normalized_references=sa.cast(rows.c.refs, ARRAY(sa.Text)), embedding=rows.c.embedding,
+        embedding_bands=sa.cast(rows.c.bands, ARRAY(sa.Integer))))
 
 
 def get(conn: sa.Connection, document_id: str) -> dict[str, Any] | None:

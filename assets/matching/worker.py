@@ -19,18 +19,19 @@ returns an empty result on failure: the LLM's answer is a valid decision or an e
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 from pydantic import ValidationError
 
 from assets.matching import policy, repository
-from assets.matching.policy import PIPELINE, Action, Embedder, MatchDecision, MatchingMessage
+from assets.matching.policy import PIPELINE, Action, Embedder, MatchDecision, MatchingMessage, Prepared
 from assets.matching.repository import WriteHooks
 from redrive.backoff import MATCHING_LLM_BACKOFF
 from redrive.clock import Sleep
@@ -60,6 +61,12 @@ class WorkerConfig:
     candidate_limit: int = 10
     batch_size: int = 5
     in_flight: int | None = None  # messages processed at once by a drain; None: two batches
+    receivers: int = 2  # threads receiving batches in parallel (each waits for a batch's worth of free threads)
+
+
+class Retrieved(NamedTuple):
+    prepared: Prepared
+    candidates: list[policy.Candidate]
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,43 @@ class DrainReport:
         return [o for o in self.outcomes if o.action is None]
 
 
+class _Intake:
+    """The drain's free threads and batch budget, shared by its receivers."""
+
+    def __init__(self, free: int, max_batches: int) -> None:
+        self.lock = threading.Condition()
+        self.free, self.max_batches, self.batches, self.stopped = free, max_batches, 0, False
+
+    def reserve(self, size: int) -> bool:
+        """Wait for `size` free threads and count a batch; False once the drain stops or the budget is spent."""
+        with self.lock:
+            self.lock.wait_for(lambda: self.stopped or self.batches >= self.max_batches or self.free >= size)
+            if self.stopped or self.batches >= self.max_batches:
+                return False
+            self.free -= size
+            self.batches += 1
+            return True
+
+    def unreserve(self, size: int) -> None:
+        """The receive came back empty: no batch, threads free again."""
+        with self.lock:
+            self.batches -= 1
+            self.free += size
+            self.lock.notify_all()
+
+    def release(self, n: int) -> None:
+        with self.lock:
+            self.free += n
+            self.lock.notify_all()
+
+    def stop(self, *, unreserve: int) -> None:
+        with self.lock:
+            self.batches -= 1
+            self.free += unreserve
+            self.stopped = True
+            self.lock.notify_all()
+
+
 @dataclass
 class Worker:
     runtime: Reliability
@@ -112,58 +156,148 @@ class Worker:
     def drain(self, *, max_batches: int, wait_seconds: int = 0) -> DrainReport:
         """Receive batches until the queue answers empty (after its long poll) or the batch budget is spent.
 
-        Pipelined: the next batch is received while earlier ones are processed, up to
-        `config.in_flight` messages at once, one thread each. A message is received only when a
-        thread is free for it, so none waits in a buffer while its 60 s visibility runs, and none
-        waits out its visibility behind another's LLM retries.
+        Pipelined: `config.receivers` threads receive (short polls while messages come, the long
+        poll only when one came back empty) while up to `config.in_flight` messages are processed,
+        one thread each. A batch is received only when a batch's worth of threads is free, so no
+        message waits in a buffer while its 60 s visibility runs, and none waits out its visibility
+        behind another's LLM retries. Each batch's documents are marked in one statement; deletes
+        and visibility changes of concurrent threads leave in batch calls (`MatchingQueue`).
         """
-        outcomes: list[Outcome] = []
-        batches = 0
         size = self.config.batch_size
         limit = max(size, self.config.in_flight or 2 * size)
+        intake = _Intake(limit, max_batches)
+        outcomes: list[Outcome] = []
+        running: list[Future[Outcome]] = []
         own_http = self.http is None
         if own_http:
             self.http = httpx.Client(timeout=self.llm.timeout_seconds,
                                      limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))
+
+        def task(deliver: Callable[[], Outcome]) -> Outcome:
+            try:
+                return deliver()
+            finally:
+                intake.release(1)
+
+        def receive() -> None:
+            poll = 0  # short polls while the queue answers; the long poll only to confirm it is empty
+            while intake.reserve(size):
+                try:
+                    messages = self.queue.receive(size, poll)
+                except BaseException:
+                    intake.stop(unreserve=size)
+                    raise
+                if not messages:
+                    if poll == wait_seconds:  # empty after the long poll: the drain is done
+                        intake.stop(unreserve=size)
+                        return
+                    intake.unreserve(size)
+                    poll = wait_seconds
+                    continue
+                poll = 0
+                intake.release(size - len(messages))
+                deliveries = self.admit_safely(messages)
+                with intake.lock:
+                    running.extend(pool.submit(task, d) for d in deliveries)
+
         try:
-            with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="matching") as pool:
-                running: set[Future[Outcome]] = set()
-                while batches < max_batches:
-                    while len(running) > limit - size:  # a batch's worth of free threads before receiving
-                        done, running = wait(running, return_when=FIRST_COMPLETED)
-                        outcomes += [f.result() for f in done]
-                    messages = self.queue.receive(size, wait_seconds)
-                    if not messages:
-                        break
-                    batches += 1
-                    running |= {pool.submit(self.handle_safely, m) for m in messages}
-                outcomes += [f.result() for f in wait(running).done]
+            with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="matching") as pool, \
+                    ThreadPoolExecutor(max_workers=max(1, self.config.receivers),
+                                       thread_name_prefix="matching-receive") as receivers:
+                received = [receivers.submit(receive) for _ in range(max(1, self.config.receivers))]
+                wait(received)
+                outcomes = [f.result() for f in wait(running).done]
+                for r in received:
+                    r.result()  # a receive that failed (SQS down) fails the drain, after the in-flight work
         finally:
             if own_http and self.http is not None:
                 self.http.close()
                 self.http = None
-        return DrainReport(outcomes, batches)
+        return DrainReport(outcomes, intake.batches)
 
     def handle_safely(self, message: ReceivedMessage) -> Outcome:
         """The flow's own bookkeeping failed (database or SQS down): leave the message; SQS redelivers it."""
-        try:
-            return self.handle(message)
-        except Exception as exc:  # noqa: BLE001 - reported in the run's outcome and log, message left for SQS
+        return self.admit_safely([message])[0]()
+
+    def admit_safely(self, messages: list[ReceivedMessage]) -> list[Callable[[], Outcome]]:
+        """`admit`, with each delivery's bookkeeping failure reported as an outcome (message left for SQS)."""
+        def left(message: ReceivedMessage, exc: Exception) -> Outcome:
             failure = classify(exc)
             self.log.error(f"matching: message {message.message_id} left for redelivery: "
                            f"{failure.code}: {failure.message}")
             return Outcome(message.message_id, None, None, message.receive_count, code=failure.code)
 
+        def safely(message: ReceivedMessage, deliver: Callable[[], Outcome]) -> Callable[[], Outcome]:
+            def run() -> Outcome:
+                try:
+                    return deliver()
+                except Exception as exc:  # noqa: BLE001 - reported in the run's outcome and log
+                    return left(message, exc)
+            return run
+
+        try:
+            admitted = self.admit(messages)
+        except Exception as exc:  # noqa: BLE001 - the batch's mark failed: every message stays in SQS
+            return [lambda m=m, e=exc: left(m, e) for m in messages]
+        return [safely(m, d) for m, d in zip(messages, admitted, strict=True)]
+
     # -- one delivery ------------------------------------------------------------------------
 
     def handle(self, message: ReceivedMessage) -> Outcome:
+        return self.admit([message])[0]()
+
+    def admit(self, messages: list[ReceivedMessage]) -> list[Callable[[], Outcome]]:
+        """Parse a received batch, mark its documents in progress (one statement, committed), then
+        pre-process them (one statement, committed on its own as 000 says) and retrieve their
+        candidates on the same connection; one delivery each, which asks the LLM and writes."""
+        bodies: list[MatchingMessage | ValidationError] = []
+        for message in messages:
+            try:
+                bodies.append(MatchingMessage.model_validate_json(message.body))
+            except ValidationError as exc:
+                bodies.append(exc)
+        ids = [b.document_id for b in bodies if isinstance(b, MatchingMessage)]
+        marked: list[dict[str, Any] | None] = []
+        if ids:
+            with self.runtime.engine.begin() as conn:
+                marked = repository.mark_deliveries(conn, ids, self.runtime.now())
+        ready = self._prepare_and_retrieve([d for d in marked if d is not None])
+        docs = iter(marked)
+        out: list[Callable[[], Outcome]] = []
+        for message, body in zip(messages, bodies, strict=True):
+            if isinstance(body, ValidationError):
+                out.append(lambda m=message, e=body: self._quarantine(m, e))
+            else:
+                doc = next(docs)
+                out.append(lambda m=message, b=body, d=doc, r=ready.get(doc["id"]) if doc else None:
+                           self._deliver(m, b, d, r))
+        return out
+
+    def _prepare_and_retrieve(self, docs: list[dict[str, Any]]) -> dict[str, Retrieved]:
+        """The batch's pre-processing and retrieval on one connection. A document whose pre-processing
+        fails, or all of them if the database does, is left out: its delivery does both itself (and
+        meets the failure there, where it is classified and decided on)."""
+        prepared: dict[str, Prepared] = {}
+        for doc in docs:
+            try:
+                prepared[doc["id"]] = policy.prepare(doc, self.embedder)
+            except Exception:  # noqa: BLE001 - raised again by the document's own delivery
+                continue
+        if not prepared:
+            return {}
         try:
-            body = MatchingMessage.model_validate_json(message.body)
-        except ValidationError as exc:
-            return self._quarantine(message, exc)
-        now = self.runtime.now()
-        with self.runtime.engine.begin() as conn:
-            doc = repository.mark_in_progress(conn, body.document_id, now)
+            with self.runtime.engine.connect() as conn:
+                with conn.begin():
+                    repository.save_prepared_many(conn, sorted(prepared.items()))
+                return {doc_id: Retrieved(p, repository.retrieve_candidates(conn, doc_id, doc["tenant"], p))
+                        for doc in docs if (p := prepared.get(doc_id := doc["id"])) is not None}
+        except Exception as exc:  # noqa: BLE001 - each delivery retries it alone
+            self.log.warning(f"matching: batch pre-processing failed ({classify(exc).code}); per document instead")
+            return {}
+
+    def _deliver(self, message: ReceivedMessage, body: MatchingMessage, doc: dict[str, Any] | None,
+                 ready: Retrieved | None = None) -> Outcome:
+        """000's flow from `in-progress` on: match, then delete, or decide on the failure."""
         if doc is None:
             failure = MATCHING.apply(Failure.of(Code.NOT_FOUND, message="document not found"))
             letter = self._notify(body.document_id, None, failure, message.receive_count, message, stack="")
@@ -173,7 +307,7 @@ class Worker:
 
         calls = [0]
         try:
-            edges = self.match(doc, message, calls)
+            edges = self.match(doc, message, calls, ready)
         except Exception as exc:  # noqa: BLE001 - every failure is classified and decided on
             return self._after_failure(message, doc, classify(exc), exc, calls[0])
         if doc["matching_error"] is not None:  # it failed before: close its (replayed) dead letter, if any
@@ -182,13 +316,18 @@ class Worker:
         return Outcome(message.message_id, doc["id"], Action.SUCCEEDED, message.receive_count,
                        deleted=deleted, llm_calls=calls[0], edges=edges)
 
-    def match(self, doc: dict[str, Any], message: ReceivedMessage | None, calls: list[int]) -> int:
-        """Pre-process (committed on its own), retrieve, decide, write; returns the number of edges."""
-        prepared = policy.prepare(doc, self.embedder)
-        with self.runtime.engine.begin() as conn:
-            repository.save_prepared(conn, doc["id"], prepared)
-        with self.runtime.engine.connect() as conn:
-            found = repository.retrieve_candidates(conn, doc["id"], doc["tenant"], prepared)
+    def match(self, doc: dict[str, Any], message: ReceivedMessage | None, calls: list[int],
+              ready: Retrieved | None = None) -> int:
+        """Pre-process (committed on its own), retrieve, decide, write; returns the number of edges.
+        `ready`: pre-processing and retrieval already done for the batch (`admit`)."""
+        if ready is None:
+            prepared = policy.prepare(doc, self.embedder)
+            with self.runtime.engine.begin() as conn:
+                repository.save_prepared(conn, doc["id"], prepared)
+            with self.runtime.engine.connect() as conn:
+                found = repository.retrieve_candidates(conn, doc["id"], doc["tenant"], prepared)
+        else:
+            prepared, found = ready
         candidates = policy.rank_candidates(prepared, found, self.config.candidate_limit)
         decision = self.decide(doc, candidates, message, calls) if candidates else MatchDecision(matches=[])
         edges = policy.edges_from(doc["id"], decision, candidates)
