@@ -8,6 +8,7 @@ from assets.healthcheck import stack_healthcheck
 from orchestration.jobs import healthcheck_job
 from orchestration.registry import load_pipelines
 from redrive import logs
+from redrive.dagster_logging import default_loggers
 from redrive.settings import Settings
 from resources.factory import build_resources
 from sensors.core import (
@@ -23,7 +24,7 @@ from sensors.core import (
 def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     """Build everything from settings read now, never at import time of a module."""
     settings = settings or Settings()
-    logs.install()
+    logs.configure(replace=False)
     pipelines = load_pipelines(settings)
     replay_targets = {k: v for p in pipelines for k, v in p.replay_targets.items()}
     failed_for_good = {k: v for p in pipelines for k, v in p.failed_for_good.items()}
@@ -45,6 +46,7 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
             *[s for p in pipelines for s in p.sensors],
         ],
         resources=resources,
+        loggers=default_loggers(),
         # Every job's ops run in the run's own process: a step process per op would load the code location
         # again (~4 CPU-s each) for jobs whose ops are sequential anyway. No job here has parallel ops that pay.
         executor=dg.in_process_executor,

@@ -21,7 +21,7 @@ from redrive.failures import Code, Failure
 from redrive.reconcile import FailedForGood, reconcile
 from redrive.run_keys import run_key
 from redrive.sanitize import sanitize_text
-from redrive.stages import DEAD_LETTERED_TAG, DEFERRED_TAG
+from redrive.stages import DEAD_LETTERED_TAG, DEFERRED_TAG, EXPECTED_FAILURE_TAG
 from redrive.timers import Timer
 from resources.reliability import ReliabilityResource
 
@@ -49,7 +49,8 @@ def should_alert_run_failure(tags: Mapping[str, str]) -> bool:
     """Pure: alert unless Dagster will retry the run or the core already alerted for it."""
     if tags.get(WILL_RETRY_TAG) == "true":
         return False
-    return tags.get(DEAD_LETTERED_TAG) != "true" and tags.get(DEFERRED_TAG) != "true"
+    return tags.get(DEAD_LETTERED_TAG) != "true" and tags.get(DEFERRED_TAG) != "true" \
+        and not tags.get(EXPECTED_FAILURE_TAG)
 
 
 def pipeline_of_run(tags: Mapping[str, str], job_name: str, asset_keys: Iterable[dg.AssetKey],

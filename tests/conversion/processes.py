@@ -138,6 +138,7 @@ def worker_env(db_url: str, gateway_url: str, uploads: Path, results: Path, **kn
         "WORKER_IDLE_SLEEP_SEC": "0.05",
         "GATEWAY_TIMEOUT_MS": "10000",
         "REDRIVE_TIME_SCALE": "0.001",
+        "REDRIVE_LOG_FORMAT": "json",
     }
     env.update({k.upper(): str(v) for k, v in knobs.items()})
     return env
