@@ -372,7 +372,7 @@ def metrics_serve(host: Annotated[str, typer.Option(help="address to listen on")
 def main() -> None:  # pragma: no cover - console entry
     from redrive import logs
 
-    logs.configure(default_level="WARNING")
+    logs.configure(default_level="WARNING", only_if_set=True)
     try:
         app()
     except Exception as exc:  # noqa: BLE001 - one canonical line for operators, never a stack trace

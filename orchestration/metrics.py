@@ -20,16 +20,20 @@ from redrive import metrics
 from redrive.clock import Clock
 
 
+def pipeline_sources() -> dict[str, metrics.PipelineSource]:
+    """The pipelines that count their work in tables of their own (registry `metrics=`), by name."""
+    return {p.name: importlib.import_module(p.metrics).SOURCE for p in PIPELINES if p.metrics is not None}
+
+
 def build_registry(engine: sa.Engine, clock: Clock) -> CollectorRegistry:
-    sources, extra, breakers = {}, [], []
+    extra, breakers = [], []
     for pipeline in PIPELINES:
         if pipeline.metrics is None:
             continue
         module = importlib.import_module(pipeline.metrics)
-        sources[pipeline.name] = module.SOURCE
         extra += module.collectors(engine, clock)
         breakers += list(getattr(module, "BREAKERS", ()))
-    return metrics.registry(engine, clock, [p.name for p in PIPELINES], sources, extra, breakers)
+    return metrics.registry(engine, clock, [p.name for p in PIPELINES], pipeline_sources(), extra, breakers)
 
 
 def serve(engine: sa.Engine, clock: Clock, host: str, port: int) -> None:

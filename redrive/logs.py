@@ -94,10 +94,19 @@ def stderr_handler() -> logging.Handler:
     return _Stderr()
 
 
+class _TextFormatter(logging.Formatter):
+    """A terminal's line: time, level, logger, message, then the record's fields as key=value (redacted)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extra = sanitize_context({k: v for k, v in record_fields(record).items() if k != "dagster_meta"})
+        return " ".join([line, *(f"{k}={v}" for k, v in extra.items())]) if extra else line
+
+
 def formatter(fmt: str) -> logging.Formatter:
     if fmt == "json":
         return _json_formatter()
-    return logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return _TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def log_format(env: Mapping[str, str] | None = None) -> str:
@@ -109,14 +118,18 @@ def log_format(env: Mapping[str, str] | None = None) -> str:
 
 
 def configure(fmt: str | None = None, *, stream: IO[str] | None = None, level: int | str | None = None,
-              default_level: str = "INFO", replace: bool = True) -> logging.Handler:
+              default_level: str = "INFO", replace: bool = True, only_if_set: bool = False) -> logging.Handler | None:
     """Redaction plus one root handler in the configured format; calling it again replaces the handler.
 
     The level is ``level``, else REDRIVE_LOG_LEVEL, else ``default_level`` (an operator's command says
     only warnings; a service says what it does). ``replace=False`` keeps a configuration the process's
     entry point already made (the code location loaded inside `redrive demo` keeps the command's).
+    ``only_if_set``: without REDRIVE_LOG_FORMAT in the environment, only redact (a terminal's command and
+    the code location inside a test or the demo keep their quiet defaults); a deployment sets it.
     """
     install()
+    if only_if_set and fmt is None and not os.environ.get(FORMAT_ENV):
+        return None
     fmt = fmt or log_format()
     root = logging.getLogger()
     ours = [h for h in root.handlers if getattr(h, _HANDLER_MARK, False)]

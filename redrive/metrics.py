@@ -60,25 +60,12 @@ class PipelineCollector(Collector):
             for source in self.sources.values():
                 if source.observations is not None:
                     rows += source.observations(conn)
-            letters = conn.execute(
-                sa.select(dead_letters.c.pipeline, dead_letters.c.error_class, sa.func.count(),
-                          sa.func.min(dead_letters.c.first_failure_at))
-                .where(dead_letters.c.status != "resolved").group_by(dead_letters.c.pipeline,
-                                                                     dead_letters.c.error_class)).all()
+            letters = open_dead_letters(conn)
             sent = conn.execute(
                 sa.select(alerts.c.pipeline, alert_deliveries.c.channel, alert_deliveries.c.status, sa.func.count())
                 .select_from(alert_deliveries.join(alerts, alerts.c.id == alert_deliveries.c.alert_id))
                 .group_by(alerts.c.pipeline, alert_deliveries.c.channel, alert_deliveries.c.status)).all()
-            due: dict[str, list] = {p: [0, None] for p in self.pipelines}
-            for table, open_ in ((work_items, work_items.c.status.in_(OPEN_STATUSES)),
-                                 (deferred_attempts, deferred_attempts.c.status == "waiting")):
-                for pipeline, n, oldest in conn.execute(
-                        sa.select(table.c.pipeline, sa.func.count(), sa.func.min(table.c.due_at))
-                        .where(open_, table.c.due_at <= now).group_by(table.c.pipeline)):
-                    _add_due(due, pipeline, n, oldest)
-            for pipeline, source in self.sources.items():
-                if source.due_work is not None:
-                    _add_due(due, pipeline, *source.due_work(conn, now))
+            due = due_work(conn, now, self.pipelines, self.sources)
         yield from self._outcomes(rows)
         yield from self._letters(letters, now)
         yield from self._alerts(sent)
@@ -160,6 +147,31 @@ class PipelineCollector(Collector):
                 pending.add_metric([pipeline, channel], n)
         yield delivered
         yield pending
+
+
+def open_dead_letters(conn: sa.Connection) -> list[sa.Row]:
+    """(pipeline, error class, count, oldest first failure) of the dead letters not resolved."""
+    return conn.execute(
+        sa.select(dead_letters.c.pipeline, dead_letters.c.error_class, sa.func.count(),
+                  sa.func.min(dead_letters.c.first_failure_at))
+        .where(dead_letters.c.status != "resolved")
+        .group_by(dead_letters.c.pipeline, dead_letters.c.error_class)).all()
+
+
+def due_work(conn: sa.Connection, now: datetime, pipelines: Sequence[str],
+             sources: Mapping[str, PipelineSource]) -> dict[str, list]:
+    """Per pipeline, [work due now, when the oldest of it fell due]: queue rows, durable timers, own queues."""
+    due: dict[str, list] = {p: [0, None] for p in pipelines}
+    for table, open_ in ((work_items, work_items.c.status.in_(OPEN_STATUSES)),
+                         (deferred_attempts, deferred_attempts.c.status == "waiting")):
+        for pipeline, n, oldest in conn.execute(
+                sa.select(table.c.pipeline, sa.func.count(), sa.func.min(table.c.due_at))
+                .where(open_, table.c.due_at <= now).group_by(table.c.pipeline)):
+            _add_due(due, pipeline, n, oldest)
+    for pipeline, source in sources.items():
+        if source.due_work is not None:
+            _add_due(due, pipeline, *source.due_work(conn, now))
+    return due
 
 
 def _add_due(due: dict[str, list], pipeline: str, n: int, oldest: datetime | None) -> None:
