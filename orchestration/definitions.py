@@ -10,7 +10,6 @@ from orchestration.jobs import healthcheck_job
 from orchestration.metrics import pipeline_sources
 from orchestration.registry import load_pipelines
 from redrive import logs
-from redrive.dagster_logging import default_loggers
 from redrive.settings import Settings
 from resources.factory import build_resources
 from sensors.core import (
@@ -54,7 +53,6 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
             *[s for p in pipelines for s in p.sensors],
         ],
         resources=resources,
-        loggers=default_loggers(),
         # Every job's ops run in the run's own process: a step process per op would load the code location
         # again (~4 CPU-s each) for jobs whose ops are sequential anyway. No job here has parallel ops that pay.
         executor=dg.in_process_executor,

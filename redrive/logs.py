@@ -68,10 +68,15 @@ def _json_formatter() -> logging.Formatter:
 
         def process_log_record(self, log_data: dict[str, Any]) -> dict[str, Any]:
             meta = log_data.pop("dagster_meta", None)
-            if isinstance(meta, Mapping):  # a Dagster run's line: its run, job and step
+            if isinstance(meta, Mapping):  # a Dagster run's line: its run, job and step, and the op's own words
                 for key, name in (("run_id", "run_id"), ("job_name", "job"), ("step_key", "step")):
                     if meta.get(key) and name not in log_data:
                         log_data[name] = meta[key]
+                if meta.get("orig_message"):
+                    log_data["message"] = meta["orig_message"]
+                event = meta.get("dagster_event")
+                if getattr(event, "event_type_value", None):
+                    log_data["dagster_event"] = event.event_type_value
             return sanitize_context(log_data)
 
     return RedactingJsonFormatter("{levelname}{name}{message}", style="{", json_default=str, timestamp="ts",
@@ -107,6 +112,18 @@ def formatter(fmt: str) -> logging.Formatter:
     if fmt == "json":
         return _json_formatter()
     return _TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run_log_handler() -> logging.Handler:
+    """For dagster.yaml's `python_logs.dagster_handler_config`: every run's log lines (`context.log`, Dagster's
+    events) in JSON on stderr when REDRIVE_LOG_FORMAT=json; nothing otherwise (Dagster's console logger writes
+    its own text lines either way). Runs see it whatever their run config says about loggers."""
+    if log_format() != "json":
+        return logging.NullHandler()
+    handler = _Stderr()
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(formatter("json"))
+    return handler
 
 
 def log_format(env: Mapping[str, str] | None = None) -> str:
