@@ -22,6 +22,7 @@ import dagster as dg
 from assets import OWNERS
 from redrive.metrics import PipelineSource, due_work, open_dead_letters
 from redrive.reliability import Reliability
+from redrive.stages import OP_RETRY_POLICY, sanitized_body
 from resources.reliability import ReliabilityResource
 
 STALE_LETTERS, DUE_FLOWING = "no_stale_dead_letters", "due_work_flowing"
@@ -109,7 +110,9 @@ def _checks(pipeline: str, key: dg.AssetKey, sources: Mapping[str, PipelineSourc
                    f"No due {pipeline} work has waited longer than DUE_WORK_MAX_WAIT_SECONDS "
                    f"({max_wait_seconds:g} s)."))],
         can_subset=True,
+        retry_policy=OP_RETRY_POLICY,
     )
+    @sanitized_body
     def _check(context: dg.AssetCheckExecutionContext, reliability: ReliabilityResource):
         found = verdicts(reliability.runtime(), [pipeline], sources, max_age_hours, max_wait_seconds)[pipeline]
         for v in found:
