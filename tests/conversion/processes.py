@@ -104,14 +104,16 @@ class WorkerProcess:
             self._log.close()
 
     def events(self) -> list[dict[str, Any]]:
-        """The JSON log lines written so far (other lines, if any, are not ours and skipped)."""
+        """The worker's event lines written so far (other JSON lines — httpx, alembic — and text are skipped)."""
         out = []
         for line in self.log_path.read_text(errors="replace").splitlines():
             if line.startswith("{"):
                 try:
-                    out.append(json.loads(line))
+                    record = json.loads(line)
                 except json.JSONDecodeError:
                     continue
+                if "event" in record:
+                    out.append(record)
         return out
 
 
