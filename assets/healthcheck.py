@@ -17,6 +17,7 @@ from sqlalchemy.dialects.postgresql import insert
 from dagster_aws.s3 import S3Resource
 from pydantic import BaseModel, ConfigDict
 
+from assets import OWNERS
 from redrive.schema import healthchecks
 from redrive.stages import OP_RETRY_POLICY, sanitized_body
 from resources.aws import SqsResource, ensure_bucket
@@ -35,7 +36,7 @@ class HealthcheckConfig(dg.Config):
     bucket: str = "redrive-artifacts"
 
 
-@dg.asset(retry_policy=OP_RETRY_POLICY, group_name="operations", kinds={"postgres", "s3", "sqs"})
+@dg.asset(retry_policy=OP_RETRY_POLICY, group_name="operations", kinds={"postgres", "s3", "sqs"}, owners=OWNERS)
 @sanitized_body
 def stack_healthcheck(
     context: dg.AssetExecutionContext,

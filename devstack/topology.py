@@ -63,11 +63,13 @@ SERVICES: tuple[Service, ...] = (
             "the conversion HTTP API, its page and /metrics (003)", "/healthz"),
     Service("conversion-worker", ("redrive", "worker", "conversion"),
             "claims and converts PDF jobs until SIGTERM; run as many as WORKER_CONCURRENCY asks (003 §3.4)"),
+    Service("metrics", ("redrive", "metrics", "serve", "--host", "{host}", "--port", "{metrics_port}"),
+            "Prometheus /metrics of every pipeline, read from PostgreSQL at each scrape (issue 16 §3)", "/metrics"),
 )
 MIGRATE: tuple[str, ...] = ("redrive", "db", "upgrade")  # once per release, before the services start
 
 # What docs/deploying.md shows: the ports of a deployment and the workspace the chart or compose file mounts.
-DEPLOYED = {"host": "0.0.0.0", "grpc_port": "4000", "webserver_port": "3000", "api_port": "8090",
+DEPLOYED = {"host": "0.0.0.0", "grpc_port": "4000", "webserver_port": "3000", "api_port": "8090", "metrics_port": "9108",
             "workspace": "/opt/dagster/dagster_home/workspace.yaml"}
 
 
@@ -127,6 +129,10 @@ class Topology:
         return f"http://{self.host}:{self.values['api_port']}"
 
     @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.values['metrics_port']}/metrics"
+
+    @property
     def log_dir(self) -> Path:
         return self.home / "service-logs"  # not "logs": Dagster keeps its own telemetry files there
 
@@ -159,7 +165,8 @@ class Topology:
         self.home.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.values = {"host": self.host, "grpc_port": str(free_port()), "webserver_port": str(free_port()),
-                       "api_port": str(free_port()), "workspace": str(self.home / "workspace.yaml")}
+                       "api_port": str(free_port()), "metrics_port": str(free_port()),
+                       "workspace": str(self.home / "workspace.yaml")}
         shutil.copyfile(INSTANCE_YAML, self.home / "dagster.yaml")
         (self.home / "workspace.yaml").write_text(workspace_yaml(self.host, int(self.values["grpc_port"])))
         names = self._names()
@@ -175,8 +182,9 @@ class Topology:
             self._wait(name)
 
     def _child_env(self) -> dict[str, str]:
-        return {**os.environ, **self.env, "DAGSTER_HOME": str(self.home), MARKER: self.marker,
-                "PYTHONUNBUFFERED": "1"}
+        # JSON logs unless the caller says otherwise: a deployment's log shipper reads one object per line
+        return {"REDRIVE_LOG_FORMAT": "json", **os.environ, **self.env, "DAGSTER_HOME": str(self.home),
+                MARKER: self.marker, "PYTHONUNBUFFERED": "1"}
 
     def _spawn(self, name: str, service: Service) -> None:
         argv = service.argv(self.values)
@@ -204,7 +212,8 @@ class Topology:
     def _healthy(self, health: str) -> bool:
         if health == "grpc":
             return grpc_serving(self.host, int(self.values["grpc_port"]))
-        port = self.values["webserver_port"] if health == "/server_info" else self.values["api_port"]
+        port = {"/server_info": self.values["webserver_port"], "/metrics": self.values["metrics_port"]}.get(
+            health, self.values["api_port"])
         try:
             return httpx.get(f"http://{self.host}:{port}{health}", timeout=2.0).status_code == 200
         except httpx.HTTPError:

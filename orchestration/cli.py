@@ -9,6 +9,7 @@
     redrive breaker [--window N] [--json]
     redrive alerts dispatch
     redrive db upgrade | downgrade
+    redrive metrics serve [--host H] [--port P]
 
 A replay marks the dead letter `replaying`; the `redrive_dead_letter_replays` sensor
 starts the run (from the failed stage unless --from-start). Errors are one line,
@@ -90,7 +91,9 @@ app = typer.Typer(cls=_RedriveGroup, help="redrive operator commands", add_compl
 dlq = typer.Typer(help="dead letters: list, show, replay, resolve", **PLAIN)
 db = typer.Typer(help="schema migrations", **PLAIN)
 alerts_app = typer.Typer(help="alert delivery", **PLAIN)
+metrics_app = typer.Typer(help="Prometheus metrics of every pipeline", **PLAIN)
 app.add_typer(dlq, name="dlq")
+app.add_typer(metrics_app, name="metrics")
 app.add_typer(db, name="db")
 app.add_typer(alerts_app, name="alerts")
 
@@ -398,10 +401,23 @@ def db_downgrade(yes: Annotated[bool, typer.Option("--yes", help="really drop ev
     typer.echo("schema at base")
 
 
+@metrics_app.command("serve")
+def metrics_serve(host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+                  port: Annotated[int, typer.Option(help="port of /metrics")] = 9108) -> None:
+    """Serve /metrics for Prometheus until SIGTERM: every pipeline's series, read from PostgreSQL per scrape."""
+    from orchestration.metrics import serve
+    from redrive.clock import SystemClock
+    from redrive.db import engine_for
+
+    with database_url() as url:
+        typer.echo(f"serving http://{host}:{port}/metrics", err=True)
+        serve(engine_for(url), SystemClock(), host, port)
+
+
 def main() -> None:  # pragma: no cover - console entry
     from redrive import logs
 
-    logs.install()
+    logs.configure(default_level="WARNING", only_if_set=True)
     try:
         app()
     except Exception as exc:  # noqa: BLE001 - one canonical line for operators, never a stack trace

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dagster as dg
 
+from assets.backlog import backlog_defs
 from assets.healthcheck import stack_healthcheck
 from orchestration.jobs import healthcheck_job
+from orchestration.metrics import pipeline_sources
 from orchestration.registry import load_pipelines
 from redrive import logs
 from redrive.settings import Settings
@@ -16,6 +18,7 @@ from sensors.core import (
     asset_pipelines_of,
     dead_letter_replay_sensor,
     deferred_retry_sensor,
+    pipeline_backlog_sensor,
     run_failure_alert_sensor,
 )
 
@@ -23,18 +26,21 @@ from sensors.core import (
 def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     """Build everything from settings read now, never at import time of a module."""
     settings = settings or Settings()
-    logs.install()
+    logs.configure(replace=False, only_if_set=True)
     pipelines = load_pipelines(settings)
     replay_targets = {k: v for p in pipelines for k, v in p.replay_targets.items()}
     failed_for_good = {k: v for p in pipelines for k, v in p.failed_for_good.items()}
     resources = build_resources(settings)
     for p in pipelines:
         resources.update(p.resources)
-    assets = [stack_healthcheck, *[a for p in pipelines for a in p.assets]]
+    names, sources = [p.name for p in pipelines], pipeline_sources()
+    backlogs, backlog_checks, backlog_job = backlog_defs(names, sources, settings.dead_letter_max_age_hours,
+                                            settings.due_work_max_wait_seconds)
+    assets = [stack_healthcheck, *backlogs, *[a for p in pipelines for a in p.assets]]
     return dg.Definitions(
         assets=assets,
-        asset_checks=[c for p in pipelines for c in p.asset_checks],
-        jobs=[healthcheck_job, *[j for p in pipelines for j in p.jobs]],
+        asset_checks=[*backlog_checks, *[c for p in pipelines for c in p.asset_checks]],
+        jobs=[healthcheck_job, backlog_job, *[j for p in pipelines for j in p.jobs]],
         schedules=[s for p in pipelines for s in p.schedules],
         sensors=[
             alert_delivery_sensor(),
@@ -42,6 +48,8 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
             dead_letter_replay_sensor(replay_targets),
             dead_letter_reconciliation_sensor(failed_for_good),
             *[deferred_retry_sensor(name, target) for name, target in replay_targets.items()],
+            pipeline_backlog_sensor(names, sources, settings.dead_letter_max_age_hours,
+                                    settings.due_work_max_wait_seconds),
             *[s for p in pipelines for s in p.sensors],
         ],
         resources=resources,

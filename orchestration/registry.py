@@ -46,17 +46,21 @@ class Pipeline:
     schema: str  # module that adds the pipeline's tables to redrive.schema.metadata
     demo: str  # module with run_demo(ctx) -> DemoReport
     commands: Mapping[str, str] = field(default_factory=dict)  # `redrive <name>` → "module:typer_app"
+    # module counting the pipeline's work in tables of its own: SOURCE (redrive.metrics.PipelineSource) and
+    # collectors(engine, clock); None when the core's stage observations count all of it
+    metrics: str | None = None
 
 
-def _pipeline(name: str, **commands: str) -> Pipeline:
+def _pipeline(name: str, metrics: str | None = None, **commands: str) -> Pipeline:
     return Pipeline(name=name, wiring=f"orchestration.pipelines.{name}", schema=f"assets.{name}.repository",
-                    demo=f"orchestration.demos.{name}", commands=commands)
+                    demo=f"orchestration.demos.{name}", commands=commands, metrics=metrics)
 
 
 # In seed order; the rehearsal pipeline is the core's own two-stage example.
 PIPELINES: tuple[Pipeline, ...] = (
     _pipeline("rehearsal"),
-    _pipeline("conversion", worker="assets.conversion.worker:worker_app"),  # `redrive worker conversion`
+    _pipeline("conversion", metrics="assets.conversion.metrics",
+              worker="assets.conversion.worker:worker_app"),  # `redrive worker conversion`
     _pipeline("criticizer", criticizer="assets.criticizer.cli:app"),
     _pipeline("matching", matching="assets.matching.cli:app"),
     _pipeline("matchmaking"),
@@ -65,7 +69,7 @@ PIPELINES: tuple[Pipeline, ...] = (
 )
 
 # Core modules with tables of their own besides redrive.schema.
-CORE_SCHEMAS: tuple[str, ...] = ("redrive.schema", "redrive.breaker")
+CORE_SCHEMAS: tuple[str, ...] = ("redrive.schema", "redrive.breaker", "redrive.observations")
 
 
 def selected(names: Iterable[str] | None = None) -> tuple[Pipeline, ...]:
@@ -126,6 +130,10 @@ def missing_pieces(pipeline: Pipeline, settings: Settings) -> list[str]:
         loaded = load(module, f"command {name}")
         if loaded is not None and not hasattr(loaded, attr):
             missing.append(f"command {name}: {target} does not exist")
+    if pipeline.metrics is not None:
+        source = load(pipeline.metrics, "metrics")
+        if source is not None and not (hasattr(source, "SOURCE") and callable(getattr(source, "collectors", None))):
+            missing.append(f"metrics: {pipeline.metrics} needs SOURCE and collectors(engine, clock)")
     wiring = load(pipeline.wiring, "wiring")
     if wiring is None:
         return missing

@@ -27,7 +27,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from redrive import checkpoints, deadletters, work
+from redrive import checkpoints, deadletters, logs, observations, work
 from redrive.budgets import RetryDecision, decide
 from redrive.deadletters import FinalFailure
 from redrive.failures import Failure
@@ -44,9 +44,9 @@ FROM_START = "start"
 class StageError(Exception):
     """A stage's work failed; carries the stage name and the original exception to the settlement."""
 
-    def __init__(self, stage: str, cause: BaseException) -> None:
+    def __init__(self, stage: str, cause: BaseException, seconds: float | None = None) -> None:
         super().__init__(stage)
-        self.stage, self.cause = stage, cause
+        self.stage, self.cause, self.seconds = stage, cause, seconds
 
 
 class LeaseLost(Exception):
@@ -96,14 +96,17 @@ class Attempt:
             if done is not None:
                 return done
         self.current_stage = name
+        started = time.perf_counter()
         try:
             output = dict(work_fn())
         except Exception as exc:  # noqa: BLE001 - settled by the drain under the stage's policy
-            raise StageError(name, exc) from None
+            raise StageError(name, exc, time.perf_counter() - started) from None
+        seconds = time.perf_counter() - started
         self.attempts[name] = self.attempts.get(name, 0) + 1
-        if checkpoint:
-            with drain.engine.begin() as conn:
+        with drain.engine.begin() as conn:
+            if checkpoint:
                 checkpoints.save(conn, drain.pipeline, self.entity_ref, name, output)
+            observations.observe(conn, drain.pipeline, name, observations.OK, seconds=seconds)
         return output
 
     def stage_attempts(self, failed_stage: str | None = None) -> dict[str, int]:
@@ -248,8 +251,9 @@ class Drain:
         except Exception as exc:  # noqa: BLE001 - every failure is classified and settled, none escapes
             stage, cause = (exc.stage, exc.cause) if isinstance(exc, StageError) else \
                 (attempt.current_stage or item.stage or next(iter(self.policies)), exc)
+            seconds = exc.seconds if isinstance(exc, StageError) else None
             try:
-                outcome = self._settle_failure(attempt, stage, cause)
+                outcome = self._settle_failure(attempt, stage, cause, seconds)
             except LeaseLost:
                 outcome = "lease_lost"
             except Exception as settle_exc:  # noqa: BLE001 - the row's lease expires and it is worked again
@@ -291,9 +295,15 @@ class Drain:
                 raise LeaseLost(attempt.entity_ref)
             if attempt.replay_of is not None or attempt.item.stage is not None:
                 deadletters.close_after_success(conn, self.pipeline, attempt.entity_ref, now)
+            last = attempt.current_stage or attempt.item.stage or next(iter(self.policies))
+            observations.observe(conn, self.pipeline, last, observations.DONE)
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s done", attempt.entity_ref, extra=logs.fields(
+                pipeline=self.pipeline, entity=attempt.entity_ref, stage=last, run_id=self.run_id,
+                attempt=sum(attempt.stage_attempts().values())))
         return "done"
 
-    def _settle_failure(self, attempt: Attempt, stage: str, exc: BaseException) -> str:
+    def _settle_failure(self, attempt: Attempt, stage: str, exc: BaseException, seconds: float | None = None) -> str:
         item, now = attempt.item, self.reliability.now()
         policy = self.policy_for(stage)
         failure = policy.classify(exc, now)
@@ -303,6 +313,8 @@ class Drain:
         public = sanitize_text(f"{stage} attempt {number}/{policy.max_attempts} of {item.entity_ref}: "
                                f"{failure.code}: {failure.message}")
         self._count_failure(attempt, stage, number, failure, decision)
+        context = logs.fields(pipeline=self.pipeline, entity=item.entity_ref, stage=stage, attempt=number,
+                              error_class=failure.code, run_id=self.run_id)
         if decision.retry:
             due_at = now + timedelta(seconds=decision.delay * self.reliability.time_scale)
             with self.engine.begin() as conn:
@@ -311,8 +323,11 @@ class Drain:
                     raise LeaseLost(item.entity_ref)
                 for write in attempt.on_failure:
                     write(conn, failure, False)
+                observations.observe(conn, self.pipeline, stage, observations.RETRY, error_class=failure.code,
+                                     seconds=seconds)
             if log.isEnabledFor(logging.INFO):
-                log.info("%s; next attempt due %s", public, due_at.isoformat())
+                log.info("%s; next attempt due %s", public, due_at.isoformat(),
+                         extra={**context, "due_at": due_at.isoformat()})
             return "retried"
         stack = sanitize_exception(exc)
         with self.engine.begin() as conn:
@@ -327,7 +342,8 @@ class Drain:
                 payload_ref=attempt.payload_ref, stage_attempts=stage_attempts, run_id=self.run_id,
             )
             recorded = self.reliability.fail_for_good(final, conn=conn)
-        log.warning("%s; %s: dead letter %s", public, decision.reason, recorded.dead_letter.id)
+        log.warning("%s; %s: dead letter %s", public, decision.reason, recorded.dead_letter.id,
+                    extra={**context, "dead_letter_id": recorded.dead_letter.id})
         return "dead_lettered"
 
     def _count_failure(self, attempt: Attempt, stage: str, number: int, failure: Failure,

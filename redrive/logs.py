@@ -1,19 +1,36 @@
-"""Every log record of the process is redacted when it is made, whoever logs it.
+"""Every log record of the process is redacted when it is made, and one switch makes every line JSON.
 
 A logger's filter sees only its own records, and a handler's only what reaches that
 handler; third-party loggers (httpx logs full URLs, query tokens included) reach
 handlers we do not own (Dagster's, pytest's). A record factory is the one place all
-records pass, so redaction happens there, once, before any handler formats them.
+records pass, so the message is redacted there, once, before any handler formats them.
+Fields given as ``extra=`` are set on the record after the factory ran, so the JSON
+formatter redacts every field again as it writes the line.
+
+``REDRIVE_LOG_FORMAT=json`` (the deployed topology's default) or ``text`` (a terminal's):
+:func:`configure` gives the root logger one stderr handler in that format, in every process
+that loads redrive — the code server, run workers, the conversion API and workers, the CLI.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from collections.abc import Mapping
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from redrive.sanitize import SanitizingFilter
+
+FORMAT_ENV = "REDRIVE_LOG_FORMAT"
+LEVEL_ENV = "REDRIVE_LOG_LEVEL"
+FORMATS = ("json", "text")
+# What a line says about the work it is about, when the logger knows it (pass them as `extra=fields(...)`).
+FIELDS = ("pipeline", "entity", "stage", "attempt", "error_class", "run_id")
+
+_HANDLER_MARK = "redrive_handler"
 
 
 @cache
@@ -22,6 +39,12 @@ def _filter() -> SanitizingFilter:
     from redrive.sanitize import SanitizingFilter
 
     return SanitizingFilter()
+
+
+def sanitize_context(values: Mapping[str, Any]) -> dict[str, Any]:
+    from redrive.sanitize import sanitize_context as redact
+
+    return redact(values)
 
 
 def install() -> None:
@@ -37,3 +60,119 @@ def install() -> None:
 
     factory.redrive_sanitizing = True  # type: ignore[attr-defined]
     logging.setLogRecordFactory(factory)
+
+
+def fields(**values: Any) -> dict[str, Any]:
+    """The known context of a line, for ``extra=``; unknown (None) fields are left out."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+STANDARD_ATTRIBUTES = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+
+
+def record_fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The fields a record carries beyond the standard ones (its ``extra=``)."""
+    return {k: v for k, v in record.__dict__.items() if k not in STANDARD_ATTRIBUTES}
+
+
+def _json_formatter() -> logging.Formatter:
+    from pythonjsonlogger.json import JsonFormatter
+
+    class RedactingJsonFormatter(JsonFormatter):
+        """python-json-logger's formatter; every field redacted (extra fields skip the record factory)."""
+
+        def process_log_record(self, log_data: dict[str, Any]) -> dict[str, Any]:
+            meta = log_data.pop("dagster_meta", None)
+            if isinstance(meta, Mapping):  # a Dagster run's line: its run, job and step, and the op's own words
+                for key, name in (("run_id", "run_id"), ("job_name", "job"), ("step_key", "step")):
+                    if meta.get(key) and name not in log_data:
+                        log_data[name] = meta[key]
+                if meta.get("orig_message"):
+                    log_data["message"] = meta["orig_message"]
+                event = meta.get("dagster_event")
+                if getattr(event, "event_type_value", None):
+                    log_data["dagster_event"] = event.event_type_value
+            return sanitize_context(log_data)
+
+    return RedactingJsonFormatter("{levelname}{name}{message}", style="{", json_default=str, timestamp="ts",
+                                  rename_fields={"levelname": "level", "name": "logger", "exc_info": "exception"})
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever sys.stderr is at the time (a test's capture ends; the process's stderr stays)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> IO[str]:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
+def stderr_handler() -> logging.Handler:
+    return _Stderr()
+
+
+class _TextFormatter(logging.Formatter):
+    """A terminal's line: time, level, logger, message, then the record's fields as key=value (redacted)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extra = sanitize_context({k: v for k, v in record_fields(record).items() if k != "dagster_meta"})
+        return " ".join([line, *(f"{k}={v}" for k, v in extra.items())]) if extra else line
+
+
+def formatter(fmt: str) -> logging.Formatter:
+    if fmt == "json":
+        return _json_formatter()
+    return _TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run_log_handler() -> logging.Handler:
+    """For dagster.yaml's `python_logs.dagster_handler_config`: every run's log lines (`context.log`, Dagster's
+    events) in JSON on stderr when REDRIVE_LOG_FORMAT=json; nothing otherwise (Dagster's console logger writes
+    its own text lines either way). Runs see it whatever their run config says about loggers."""
+    if log_format() != "json":
+        return logging.NullHandler()
+    handler = _Stderr()
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(formatter("json"))
+    return handler
+
+
+def log_format(env: Mapping[str, str] | None = None) -> str:
+    """The configured format; an unknown value is a configuration error, said at start-up."""
+    value = (env if env is not None else os.environ).get(FORMAT_ENV, "text").strip().lower() or "text"
+    if value not in FORMATS:
+        raise ValueError(f"{FORMAT_ENV} must be one of {', '.join(FORMATS)}, got {value!r}")
+    return value
+
+
+def configure(fmt: str | None = None, *, stream: IO[str] | None = None, level: int | str | None = None,
+              default_level: str = "INFO", replace: bool = True, only_if_set: bool = False) -> logging.Handler | None:
+    """Redaction plus one root handler in the configured format; calling it again replaces the handler.
+
+    The level is ``level``, else REDRIVE_LOG_LEVEL, else ``default_level`` (an operator's command says
+    only warnings; a service says what it does). ``replace=False`` keeps a configuration the process's
+    entry point already made (the code location loaded inside `redrive demo` keeps the command's).
+    ``only_if_set``: without REDRIVE_LOG_FORMAT in the environment, only redact (a terminal's command and
+    the code location inside a test or the demo keep their quiet defaults); a deployment sets it.
+    """
+    install()
+    if only_if_set and fmt is None and not os.environ.get(FORMAT_ENV):
+        return None
+    fmt = fmt or log_format()
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if getattr(h, _HANDLER_MARK, False)]
+    if ours and not replace:
+        return ours[0]
+    for old in ours:
+        root.removeHandler(old)
+    handler = logging.StreamHandler(stream) if stream is not None else _Stderr()
+    setattr(handler, _HANDLER_MARK, True)
+    handler.setFormatter(formatter(fmt))
+    root.addHandler(handler)
+    wanted = level if level is not None else os.environ.get(LEVEL_ENV, default_level)
+    root.setLevel(wanted.upper() if isinstance(wanted, str) else wanted)
+    return handler

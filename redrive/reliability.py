@@ -16,7 +16,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from redrive import alerts, deadletters, timers
+from redrive import alerts, deadletters, observations, timers
 from redrive.alerts import Alert, Channel, DispatchReport
 from redrive.clock import Clock, SystemClock
 from redrive.deadletters import FinalFailure, Recorded
@@ -68,6 +68,9 @@ class Reliability:
         recorded = deadletters.record(conn, final)
         letter = recorded.dead_letter
         if recorded.created or recorded.replay_failed:
+            # every pipeline's final failures pass here: the one place `redrive_items_failed_total` is counted
+            observations.observe(conn, final.pipeline, final.stage, observations.FAILED,
+                                 error_class=final.failure.code)
             kind = "escalation" if recorded.escalated else ("replay_failed" if recorded.replay_failed else "dead_letter")
             what = {
                 "dead_letter": "dead-lettered",
@@ -92,6 +95,15 @@ class Reliability:
                 self.now(),
             )
         return recorded
+
+    def observe(self, pipeline: str, stage: str, outcome: str, *, error_class: str | None = None,
+                seconds: float | None = None, count: int = 1) -> None:
+        """Count stage outcomes for the metrics endpoint (`redrive.observations`), in a transaction of their own."""
+        if count <= 0:
+            return
+        with self.engine.begin() as conn:
+            observations.observe(conn, pipeline, stage, outcome, error_class=error_class, seconds=seconds,
+                                 count=count)
 
     def alert(self, alert: Alert) -> bool:
         """Enqueue a non-dead-letter alert (stuck work, broken ordering contract…) and try to send it."""

@@ -57,6 +57,11 @@ class Settings(BaseSettings):
     alert_burst_window_seconds: float = 300.0
     dagster_ui_url: str = "http://localhost:3000"
     mail_api_token: str = Field(default="sandbox-token", description="Bearer token of the mail provider (alerts).")
+    # --- operator's checks (the `<pipeline>_backlog` asset checks) -------------------------------------
+    dead_letter_max_age_hours: float = Field(
+        default=24.0, gt=0, description="An unresolved dead letter older than this fails its pipeline's check.")
+    due_work_max_wait_seconds: float = Field(
+        default=900.0, gt=0, description="Due work waiting longer than this fails its pipeline's check (stuck).")
 
     # --- keys (redrive.keys; unset: generated once per install under REDRIVE_DATA_DIR/keys) ---------
     redrive_redaction_key: SecretStr | None = Field(

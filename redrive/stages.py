@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 
 import dagster as dg
 
+from redrive import logs, observations
 from redrive.backoff import BackoffPolicy
 from redrive.budgets import RetryDecision, decide
 from redrive.deadletters import FinalFailure
@@ -37,6 +39,9 @@ T = TypeVar("T")
 
 DEAD_LETTERED_TAG = "redrive/dead_lettered"
 DEFERRED_TAG = "redrive/deferred"
+# A run that failed on purpose and was reported where it belongs (a breaker probe that found the upstream
+# still down: the breaker's own alert said so when it opened); the run-failure sensor adds no dead letter.
+EXPECTED_FAILURE_TAG = "redrive/expected_failure"
 
 # Unclassified and infrastructure failures of an op itself (database or S3 unreachable, a bug):
 # Dagster re-runs the op with backoff and jitter. Classified per-entity failures never reach it:
@@ -103,23 +108,32 @@ def run_stage(
 ) -> T:
     """Run `work` once, as attempt N of `stage`; see the module docstring for what a failure becomes."""
     attempt = unit.prior_attempts.get(stage, 0) + context.retry_number + 1
+    started = time.perf_counter()
     try:
-        return work()
+        result = work()
     except Exception as exc:  # noqa: BLE001 - every failure is classified, none escapes unnamed
         failure = policy.classify(exc, reliability.now())
         stack = sanitize_exception(exc)
+    else:
+        reliability.observe(unit.pipeline, stage, observations.OK, seconds=time.perf_counter() - started)
+        return result
+    seconds = time.perf_counter() - started
     decision = decide_for(policy, failure, attempt, reliability, f"{unit.pipeline}:{unit.entity_ref}:{stage}:{attempt}")
     wait = decision.delay * reliability.time_scale
     # Every line below reaches Dagster's event log: the text is sanitized once, before any of them.
     public = sanitize_text(
         f"{stage} attempt {attempt}/{policy.max_attempts} of {unit.entity_ref}: {failure.code}: {failure.message}")
+    fields = logs.fields(pipeline=unit.pipeline, entity=unit.entity_ref, stage=stage, attempt=attempt,
+                         error_class=failure.code, run_id=context.run_id)
+    if decision.retry:
+        reliability.observe(unit.pipeline, stage, observations.RETRY, error_class=failure.code, seconds=seconds)
     if decision.retry and decision.delay <= reliability.durable_threshold:
-        context.log.warning(f"{public}; retrying in {wait:.3f}s")
+        context.log.warning(f"{public}; retrying in {wait:.3f}s", extra=fields)
         raise dg.RetryRequested(max_retries=policy.max_attempts, seconds_to_wait=wait) from StageFailed(public)
     if decision.retry:
         due_at = reliability.defer(unit.pipeline, unit.entity_ref, attempt + 1, wait,
                                    {"stage": stage, "prior_attempts": {**unit.prior_attempts, stage: attempt}})
-        context.log.warning(f"{public}; next attempt deferred to {due_at.isoformat()} (durable timer)")
+        context.log.warning(f"{public}; next attempt deferred to {due_at.isoformat()} (durable timer)", extra=fields)
         context.instance.add_run_tags(context.run_id, {DEFERRED_TAG: "true"})
         raise DeferredRetry(stage, attempt + 1, due_at)
     recorded = reliability.fail_for_good(
@@ -139,7 +153,8 @@ def run_stage(
         )
     )
     context.instance.add_run_tags(context.run_id, {DEAD_LETTERED_TAG: "true"})
-    context.log.error(f"{public}; {decision.reason}: dead letter {recorded.dead_letter.id}")
+    context.log.error(f"{public}; {decision.reason}: dead letter {recorded.dead_letter.id}",
+                      extra={**fields, "dead_letter_id": recorded.dead_letter.id})
     raise dg.Failure(
         description=f"{public} ({sanitize_text(decision.reason)}); dead letter {recorded.dead_letter.id}",
         metadata={

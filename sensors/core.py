@@ -17,15 +17,17 @@ from dataclasses import dataclass
 import dagster as dg
 from dagster._core.storage.tags import WILL_RETRY_TAG
 
+from assets import backlog
 from redrive import deadletters, timers, work
 from redrive.alerts import Alert
 from redrive.deadletters import DeadLetter, FinalFailure
 from redrive.drain_ops import DRAIN_TAG
 from redrive.failures import Code, Failure
+from redrive.metrics import PipelineSource
 from redrive.reconcile import FailedForGood, reconcile
 from redrive.run_keys import run_key
 from redrive.sanitize import sanitize_text
-from redrive.stages import DEAD_LETTERED_TAG, DEFERRED_TAG
+from redrive.stages import DEAD_LETTERED_TAG, DEFERRED_TAG, EXPECTED_FAILURE_TAG
 from redrive.timers import Timer
 from resources.reliability import ReliabilityResource
 
@@ -53,7 +55,8 @@ def should_alert_run_failure(tags: Mapping[str, str]) -> bool:
     """Pure: alert unless Dagster will retry the run or the core already alerted for it."""
     if tags.get(WILL_RETRY_TAG) == "true":
         return False
-    return tags.get(DEAD_LETTERED_TAG) != "true" and tags.get(DEFERRED_TAG) != "true"
+    return tags.get(DEAD_LETTERED_TAG) != "true" and tags.get(DEFERRED_TAG) != "true" \
+        and not tags.get(EXPECTED_FAILURE_TAG)
 
 
 def pipeline_of_run(tags: Mapping[str, str], job_name: str, asset_keys: Iterable[dg.AssetKey],
@@ -313,5 +316,20 @@ def dead_letter_reconciliation_sensor(sources: Mapping[str, FailedForGood], *, l
             return dg.SkipReason(f"every failed entity of {', '.join(sources) or 'no pipeline'} has its dead letter")
         shown = ", ".join(f"{r.pipeline}/{r.entity_ref} -> dead letter {r.dead_letter_id}" for r in repaired[:10])
         return dg.SkipReason(f"repaired {len(repaired)} failed entities without a dead letter: {shown}")
+
+    return _sensor
+
+
+def pipeline_backlog_sensor(pipelines: Sequence[str], sources: Mapping[str, PipelineSource], max_age_hours: float,
+                            max_wait_seconds: float, minimum_interval_seconds: int = 300) -> dg.SensorDefinition:
+    @dg.sensor(name="redrive_pipeline_backlog", minimum_interval_seconds=minimum_interval_seconds,
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description="Reports every pipeline's backlog checks (stale dead letters, stuck due work) on its "
+                           "`<pipeline>_backlog` asset every 5 minutes, without starting a run.")
+    def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
+        found = backlog.verdicts(reliability.runtime(), pipelines, sources, max_age_hours, max_wait_seconds)
+        failing = [f"{p}: {v.check}" for p, vs in found.items() for v in vs if not v.passed]
+        context.log.info(f"backlog checks: {', '.join(failing) or 'all passing'}")
+        return dg.SensorResult(asset_events=backlog.evaluations(found))
 
     return _sensor

@@ -299,8 +299,7 @@ def serve(host: Annotated[str | None, typer.Option()] = None, port: Annotated[in
 
     from redrive import logs
 
-    logs.install()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logs.configure()
     settings = ConversionSettings()
     uvicorn.run(create_app(_engine(), settings), host=host or settings.conversion_api_host,
                 port=port or settings.conversion_api_port, log_level="warning")

@@ -3,20 +3,27 @@
 Workers run in many processes (Dagster runs, plain processes), so in-process counters would each
 see a slice. The job events table and the breaker's tables are the one record every worker writes;
 counting them at scrape time gives counters that agree across processes and survive restarts.
+
+The same events feed the core's per-pipeline series (`redrive.metrics`) through :data:`SOURCE`:
+the worker's hot path writes its events in one statement per turn and adds no row of its own
+for metrics; completions, retries and their gateway durations are bucketed here, at scrape time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime
 
 import sqlalchemy as sa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from assets.conversion import repository as repo
-from assets.conversion.settings import BREAKER
-from redrive import breaker
+from assets.conversion.settings import BREAKER, PIPELINE
+from assets.conversion.worker import STAGE
+from redrive import breaker, observations
 from redrive.clock import Clock
+from redrive.metrics import BreakerCollector, PipelineSource
 
 
 class ConversionCollector(Collector):
@@ -28,7 +35,6 @@ class ConversionCollector(Collector):
         with self.engine.connect() as conn:
             counts = repo.event_counts(conn)
             depth = repo.queue_depth(conn, now)
-            state = breaker.get_state(conn, BREAKER)
             p95 = breaker.latency_quantile(conn, BREAKER, 0.95)
 
         def total(event: str) -> int:
@@ -60,20 +66,44 @@ class ConversionCollector(Collector):
                                     "p95 of the last 1000 gateway call durations.")
         latency.add_metric([], (p95 or 0.0) / 1000)
         yield latency
-        yield _gauge("redrive_circuit_breaker_open", "1 while the breaker holds the queue.", state.is_open)
-        open_time = CounterMetricFamily("redrive_circuit_breaker_open_seconds", "Time spent open, in seconds.",
-                                        labels=["breaker"])
-        open_time.add_metric([BREAKER], state.open_seconds(now))
-        yield open_time
 
 
-def _gauge(name: str, doc: str, is_open: bool) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, doc, labels=["breaker"])
-    family.add_metric([BREAKER], 1.0 if is_open else 0.0)
-    return family
+def observed(conn: sa.Connection) -> list[observations.Observation]:
+    """Completions (ok, done) and scheduled retries from the job events, their durations bucketed here."""
+    rows = repo.timed_event_buckets(conn, observations.BUCKETS)
+    merged: dict[tuple[str, str], tuple[list[int], float, int]] = {}
+    for event, code, bucket, n, total in rows:
+        outcome = observations.OK if event == "complete" else observations.RETRY
+        buckets, seconds, count = merged.get((outcome, code), ([0] * (len(observations.BUCKETS) + 1), 0.0, 0))
+        if bucket is not None:  # width_bucket: bucket i holds bounds[i-1] <= d < bounds[i]; None when untimed
+            buckets[min(bucket, len(observations.BUCKETS))] += n
+        merged[(outcome, code)] = (buckets, seconds + total, count + n)
+    out = [observations.Observation(PIPELINE, STAGE, outcome, code, count, tuple(buckets), seconds)
+           for (outcome, code), (buckets, seconds, count) in sorted(merged.items())]
+    done = sum(o.count for o in out if o.outcome == observations.OK)
+    if done:
+        out.append(observations.Observation(PIPELINE, STAGE, observations.DONE, "", done,
+                                            (0,) * (len(observations.BUCKETS) + 1), 0.0))
+    return out
+
+
+def due_work(conn: sa.Connection, now: datetime) -> tuple[int, datetime | None]:
+    """Queued jobs whose time has come, and when the oldest of them became due."""
+    return repo.due_and_oldest(conn, now)
+
+
+SOURCE = PipelineSource(observations=observed, due_work=due_work)
+BREAKERS = (BREAKER,)  # reported closed before its first call
+
+
+def collectors(engine: sa.Engine, clock: Clock) -> list[Collector]:
+    """What the one metrics endpoint adds for conversion (003 §3.7's own series)."""
+    return [ConversionCollector(engine, clock)]
 
 
 def registry_for(engine: sa.Engine, clock: Clock) -> CollectorRegistry:
+    """The conversion API's /metrics: 003 §3.7's series and its breaker's."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ConversionCollector(engine, clock))
+    registry.register(BreakerCollector(engine, clock, known=[BREAKER]))
     return registry

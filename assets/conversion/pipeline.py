@@ -23,7 +23,7 @@ from assets.conversion.files import FileStore
 from assets.conversion.settings import BREAKER, PIPELINE, settings_of
 from assets.conversion.worker import JsonLog, Shutdown, Worker
 from redrive.breaker import CircuitBreaker, Transition
-from redrive.stages import OP_RETRY_POLICY, sanitized_body
+from redrive.stages import EXPECTED_FAILURE_TAG, OP_RETRY_POLICY, sanitized_body
 from resources.conversion import ConversionResource
 from resources.reliability import ReliabilityResource
 
@@ -47,9 +47,11 @@ def convert_due_jobs(context: dg.OpExecutionContext, config: WorkerRunConfig, re
     settings = settings.model_copy(update={k: v for k, v in overrides.items() if v is not None})
     worker_id = f"dagster:{context.run_id[:8]}"
     shutdown = Shutdown(settings.worker_shutdown_grace_sec)
+    log = JsonLog(worker_id)
+    log.run_id = context.run_id
     worker = Worker(reliability.runtime(), conversion.gateway(settings.gateway_timeout_ms),
                     FileStore(settings.uploads_dir, settings.results_dir), settings, worker_id=worker_id,
-                    shutdown=shutdown, log=JsonLog(worker_id))
+                    shutdown=shutdown, log=log)
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:
         # SIGTERM (a run terminated from the UI, a deploy) → stop claiming, finish or requeue (003 §3.5);
@@ -85,7 +87,11 @@ def probe_gateway(context: dg.OpExecutionContext, reliability: ReliabilityResour
     if isinstance(outcome, Transition):
         context.log.info(f"breaker {BREAKER} closed after {outcome.open_seconds:.1f}s open; jobs resume")
     elif outcome is False:
-        context.log.warning(f"breaker {BREAKER}: gateway still unhealthy; jobs stay queued")
+        # a failing probe is a failed run (red in the UI), not a green one; the breaker's alert already went out
+        # when it opened, so the run-failure sensor adds no dead letter, and Dagster retries neither op nor run
+        context.instance.add_run_tags(context.run_id, {EXPECTED_FAILURE_TAG: "breaker-probe"})
+        raise dg.Failure(description=f"breaker {BREAKER}: the PDF gateway's health probe failed; jobs stay queued "
+                                     "and the next probe follows the cooldown", allow_retries=False)
     else:
         context.log.info(f"breaker {BREAKER}: no probe due (closed, cooling down, or another probe ran)")
 

@@ -36,13 +36,12 @@ import os
 import queue
 import signal
 import socket
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -53,6 +52,7 @@ from assets.conversion import policy
 from assets.conversion import repository as repo
 from assets.conversion.files import FileStore, Staged
 from assets.conversion.settings import BREAKER, PIPELINE, ConversionSettings
+from redrive import logs
 from redrive.alerts import Alert
 from redrive.backoff import FullJitter
 from redrive.breaker import CircuitBreaker, Transition, counts_as_failure, prune_if_due, record_call
@@ -87,23 +87,29 @@ def new_worker_id() -> str:
 
 
 class JsonLog:
-    """003 §3.7 structured log lines; the core's record factory still redacts every one."""
+    """003 §3.7 structured log lines: the event is the message, its fields are the record's ``extra``.
 
-    def __init__(self, worker: str, also: Callable[[str], None] | None = None) -> None:
+    The process's formatter (``REDRIVE_LOG_FORMAT``, :mod:`redrive.logs`) writes them as one JSON
+    object per line and redacts every field. ``entity`` and ``error_class`` repeat ``job_id`` and
+    ``error_code`` under the names every pipeline's lines share.
+    """
+
+    def __init__(self, worker: str) -> None:
         self.worker = worker
         self.breaker = "closed"
-        self.also = also
+        self.run_id: str | None = None
 
     def __call__(self, event: str, *, level: int = logging.INFO, **fields: Any) -> None:
-        if self.also is None and not logger.isEnabledFor(level):
+        if not logger.isEnabledFor(level):
             return  # issue 14: no line is built for a level that is off
-        record = {"ts": datetime.now(UTC).isoformat(timespec="milliseconds"), "event": event,
-                  "pipeline": PIPELINE, "worker": self.worker, "breaker": self.breaker,
-                  **{k: v for k, v in fields.items() if v is not None}}
-        line = json.dumps(record, default=str, separators=(",", ":"))
-        logger.log(level, line)
-        if self.also is not None:
-            self.also(line)
+        extra = {"event": event, "pipeline": PIPELINE, "stage": STAGE, "worker": self.worker,
+                 "breaker": self.breaker, "run_id": self.run_id,
+                 **{k if k not in _RESERVED else f"{k}_": v for k, v in fields.items()}}
+        extra["entity"], extra["error_class"] = fields.get("job_id"), fields.get("error_code")
+        logger.log(level, event, extra=logs.fields(**extra))
+
+
+_RESERVED = logs.STANDARD_ATTRIBUTES
 
 
 # ------------------------------------------------------------------------------------------- shutdown
@@ -953,10 +959,7 @@ def conversion(
     worker_id: Annotated[str | None, typer.Option(help="lease holder name (default host:pid:random)")] = None,
 ) -> None:
     """Claim and convert PDF jobs until SIGTERM (003 §3.4); configuration from the environment (003 §7)."""
-    from redrive import logs
-
-    logs.install()
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logs.configure()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         worker = build_worker(worker_id=worker_id)

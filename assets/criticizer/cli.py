@@ -127,7 +127,7 @@ def list_requests(status: Annotated[str | None, typer.Option(help="submitted, pr
 def main() -> None:  # pragma: no cover - console entry
     from redrive import logs
 
-    logs.install()
+    logs.configure(default_level="WARNING", only_if_set=True)
     try:
         app()
     except Exception as exc:  # noqa: BLE001 - one line for operators, never a stack trace

@@ -24,6 +24,7 @@ from uuid import UUID
 import dagster as dg
 from dagster_aws.s3 import S3Resource
 
+from assets import OWNERS
 from assets.evidence import policy, service, worker
 from assets.evidence import repository as repo
 from assets.evidence.settings import EvidenceOptions
@@ -158,7 +159,7 @@ def evidence_file_job() -> None:
 
 
 evidence_metrics = dg.AssetSpec(
-    "evidence_metrics", group_name=GROUP, kinds={"postgres"},
+    "evidence_metrics", group_name=GROUP, kinds={"postgres"}, owners=OWNERS,
     description="004 §6 evidence attach metrics (first-attempt and retry success rates, retry queue depth, "
                 "N1→N2 latency, permanent failures by code, scheduler health), kept in `evidence_metrics`. "
                 "Recorded by the `evidence_metrics` sensor every few minutes, without a run.")

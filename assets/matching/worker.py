@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from assets.matching import policy, repository
 from assets.matching.policy import PIPELINE, Action, Embedder, MatchDecision, MatchingMessage, Prepared
 from assets.matching.repository import WriteHooks
+from redrive import logs, observations
 from redrive.backoff import MATCHING_LLM_BACKOFF
 from redrive.clock import Sleep
 from redrive.deadletters import FinalFailure
@@ -45,6 +46,7 @@ from resources.llm import LlmResource
 from resources.matching import MatchingQueue, ReceivedMessage
 
 _log = logging.getLogger(__name__)
+STAGE = "match"
 
 
 def classify(exc: BaseException) -> Failure:
@@ -306,10 +308,16 @@ class Worker:
                            code=failure.code, deleted=deleted, dead_letter_id=letter)
 
         calls = [0]
+        started = time.perf_counter()
         try:
             edges = self.match(doc, message, calls, ready)
         except Exception as exc:  # noqa: BLE001 - every failure is classified and decided on
-            return self._after_failure(message, doc, classify(exc), exc, calls[0])
+            return self._after_failure(message, doc, classify(exc), exc, calls[0], time.perf_counter() - started)
+        with self.runtime.engine.begin() as conn:
+            observations.observe(conn, PIPELINE, STAGE, observations.OK, seconds=time.perf_counter() - started)
+            observations.observe(conn, PIPELINE, STAGE, observations.DONE)
+        self.log.info(f"matching: {doc['id']} matched ({edges} edges)",
+                      extra=self._fields(doc, message.receive_count))
         if doc["matching_error"] is not None:  # it failed before: close its (replayed) dead letter, if any
             self.runtime.succeeded(PIPELINE, doc["id"])
         deleted = self._sqs(lambda: self.queue.delete(message.receipt_handle), f"delete after success of {doc['id']}")
@@ -364,8 +372,13 @@ class Worker:
 
     # -- after a failure -----------------------------------------------------------------------
 
+    def _fields(self, doc: dict[str, Any], attempt: int, failure: Failure | None = None) -> dict[str, Any]:
+        """What every line about one document carries (JSON logs, `redrive.logs`)."""
+        return logs.fields(pipeline=PIPELINE, entity=doc["id"], stage=STAGE, attempt=attempt, run_id=self.run_id,
+                           error_class=failure.code if failure is not None else None)
+
     def _after_failure(self, message: ReceivedMessage, doc: dict[str, Any], failure: Failure,
-                       exc: BaseException, llm_calls: int) -> Outcome:
+                       exc: BaseException, llm_calls: int, seconds: float | None = None) -> Outcome:
         rng = self.runtime.rng_for(f"{PIPELINE}:{doc['id']}:delivery:{message.receive_count}")
         error = sanitize_text(f"{failure.code}: {failure.message}")[:500]
         now = self.runtime.now()
@@ -386,25 +399,27 @@ class Worker:
                           "result kept, message deleted")
             return Outcome(action=Action.DUPLICATE, deleted=deleted, **base)
         if delivery.action is Action.RETRY_LATER:
-            seconds = policy.visibility_seconds(delivery.delay, self.config.visibility_scale)
-            self._sqs(lambda: self.queue.change_visibility(message.receipt_handle, seconds),
+            self.runtime.observe(PIPELINE, STAGE, observations.RETRY, error_class=failure.code, seconds=seconds)
+            visible = policy.visibility_seconds(delivery.delay, self.config.visibility_scale)
+            self._sqs(lambda: self.queue.change_visibility(message.receipt_handle, visible),
                       f"visibility step of {doc['id']}")
             self.log.info(f"matching: {doc['id']} delivery {message.receive_count} {failure.code}; "
-                             f"visible again in {seconds}s")
-            return Outcome(action=Action.RETRY_LATER, visibility=seconds, **base)
+                          f"visible again in {visible}s", extra=self._fields(doc, message.receive_count, failure))
+            return Outcome(action=Action.RETRY_LATER, visibility=visible, **base)
 
         letter = self._notify(doc["id"], doc["tenant"], failure, doc["matching_attempts"], message,
                               stack=sanitize_exception(exc), llm_calls=llm_calls, outcome=str(delivery.action))
         if delivery.action is Action.FAILED:
             deleted = self._sqs(lambda: self.queue.delete(message.receipt_handle),
                                 f"delete after failure of {doc['id']}")
-            self.log.warning(f"matching: {doc['id']} failed ({failure.code}, non-transient); alerted, message deleted")
+            self.log.warning(f"matching: {doc['id']} failed ({failure.code}, non-transient); alerted, message deleted",
+                             extra=self._fields(doc, message.receive_count, failure))
             return Outcome(action=Action.FAILED, deleted=deleted, dead_letter_id=letter, **base)
         # Last delivery: keep the message. Visible at once, so the next receive moves it to the DLQ
         # (redrive policy) instead of 60 s from now.
         self._sqs(lambda: self.queue.change_visibility(message.receipt_handle, 0), f"release of {doc['id']}")
         self.log.warning(f"matching: {doc['id']} failed after {message.receive_count} deliveries ({failure.code}); "
-                         "alerted, message left for the DLQ")
+                         "alerted, message left for the DLQ", extra=self._fields(doc, message.receive_count, failure))
         return Outcome(action=Action.LEFT_FOR_DLQ, visibility=0, dead_letter_id=letter, **base)
 
     def _sqs(self, call: Callable[[], None], what: str) -> bool:
@@ -424,7 +439,7 @@ class Worker:
         """The transition to failed: one dead letter and one Slack/email alert through the core."""
         recorded = self.runtime.fail_for_good(
             FinalFailure(
-                pipeline=PIPELINE, stage="match", entity_ref=document_id, failure=failure, attempts=attempts,
+                pipeline=PIPELINE, stage=STAGE, entity_ref=document_id, failure=failure, attempts=attempts,
                 at=self.runtime.now(), tenant=tenant, stack=stack,
                 context={"receive_count": message.receive_count, "sqs_message_id": message.message_id,
                          "llm_calls": llm_calls, "outcome": outcome, "queue": self.queue.queue_name},

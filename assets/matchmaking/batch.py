@@ -30,6 +30,7 @@ import sqlalchemy as sa
 
 from assets.matchmaking import policy, repository
 from assets.matchmaking.policy import Offers, Partition, Pool, ScoringWeights
+from redrive import logs, observations
 from redrive.backoff import MATCHMAKING_BACKOFF
 from redrive.clock import Sleep
 from redrive.deadletters import FinalFailure
@@ -192,6 +193,11 @@ class PartitionRun:
         done, write_failures = self._batch(out, "write", sorted(documents),
                                            lambda users: self._write(users, rows_by_user, documents))
         failures.extend(write_failures)
+        self.runtime.observe(policy.PIPELINE, "chunk", observations.OK, seconds=self.monotonic() - started)
+        self.runtime.observe(policy.PIPELINE, "write", observations.DONE, count=len(done))
+        self.log.info(f"{self.partition.entity_ref}: chunk of {len(ids)} users, {len(done)} completed",
+                      extra=logs.fields(pipeline=policy.PIPELINE, entity=self.partition.entity_ref, stage="chunk",
+                                        run_id=self.run_id))
         out.completed += len(done)
         out.completed_elsewhere += len(documents) - len(done) - len(write_failures)
         out.offers_written += sum(len(rows_by_user.get(u, ())) for u in done)
@@ -254,9 +260,12 @@ class PartitionRun:
     def _retrying(self, out: Outcome, stage: str, users: Sequence[str], fn: Callable[[], T]) -> T:
         def on_retry(failure: Failure, attempt: int, delay: float) -> None:
             out.retries += 1
+            self.runtime.observe(policy.PIPELINE, stage, observations.RETRY, error_class=failure.code)
             self.log.warning(f"{self.partition.entity_ref} {stage} of {len(users)} users, attempt "
                              f"{attempt}/{POLICY.max_attempts}: {failure.code}: {failure.message}; "
-                             f"retrying in {delay:.3f}s")
+                             f"retrying in {delay:.3f}s", extra=logs.fields(
+                                 pipeline=policy.PIPELINE, entity=self.partition.entity_ref, stage=stage,
+                                 attempt=attempt, error_class=failure.code, run_id=self.run_id))
 
         return call_with_retries(fn, classify=POLICY.classify, policy=self.backoff, max_attempts=POLICY.max_attempts,
                                  sleep=self.sleep, on_retry=on_retry,
@@ -334,7 +343,9 @@ class PartitionRun:
             ))
             out.dead_letters_created += int(recorded.created)
             self.log.error(f"{self.partition.user_ref(f.user_id)} {f.stage}: {f.failure.code}: "
-                           f"{f.failure.message}; dead letter {recorded.dead_letter.id}")
+                           f"{f.failure.message}; dead letter {recorded.dead_letter.id}", extra=logs.fields(
+                               pipeline=policy.PIPELINE, entity=self.partition.user_ref(f.user_id), stage=f.stage,
+                               attempt=f.attempts, error_class=f.failure.code, run_id=self.run_id))
 
 
 def load_pool(engine: sa.Engine, partition: Partition) -> Pool:

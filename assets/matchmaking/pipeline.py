@@ -19,6 +19,7 @@ from typing import Any
 import dagster as dg
 from pydantic import field_validator
 
+from assets import OWNERS
 from assets.matchmaking import batch, policy, repository
 from assets.matchmaking.batch import Knobs, PartitionRun
 from assets.matchmaking.policy import Partition, PartitionHealth, ScoringWeights
@@ -143,7 +144,7 @@ def build(settings: MatchmakingSettings) -> Built:
         ]
 
     @dg.asset(name=ASSET, partitions_def=partitions, group_name=PIPELINE, kinds={"postgres"}, check_specs=check_specs,
-              tags={"redrive/pipeline": PIPELINE}, retry_policy=OP_RETRY_POLICY)
+              tags={"redrive/pipeline": PIPELINE}, retry_policy=OP_RETRY_POLICY, owners=OWNERS)
     @sanitized_body
     def daily_match_offers(context: dg.AssetExecutionContext, config: MatchmakingRunConfig,
                            reliability: ReliabilityResource,

@@ -16,7 +16,7 @@ import dagster as dg
 from pydantic import BaseModel, ConfigDict
 
 from assets.rehearsal import repository
-from redrive import checkpoints
+from redrive import checkpoints, logs, observations
 from redrive.backoff import FullJitter
 from redrive.stages import OP_RETRY_POLICY, EntityRunFields, StagePolicy, Unit, checkpointed_stage, entity_run_config, sanitized_body
 from resources.http import ArtifactStoreResource
@@ -86,8 +86,10 @@ def ask(context: dg.OpExecutionContext, config: RehearsalConfig, reliability: Re
         return
     with runtime.engine.begin() as conn:
         repository.complete(conn, request.request_id, output)
+        observations.observe(conn, PIPELINE, "ask", observations.DONE)
     runtime.succeeded(PIPELINE, request.request_id)
-    context.log.info(f"{request.request_id}: verdict {output['verdict']!r}")
+    context.log.info(f"{request.request_id}: verdict {output['verdict']!r}",
+                     extra=logs.fields(pipeline=PIPELINE, entity=request.request_id, stage="ask", run_id=context.run_id))
 
 
 @dg.job(tags={"redrive/pipeline": PIPELINE})

@@ -4,6 +4,7 @@ a manual retry, and the circuit breaker opening under a gateway outage and closi
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -15,6 +16,7 @@ from assets.conversion import repository as repo
 from assets.conversion.api import BANNER, create_app
 from assets.conversion.settings import BREAKER, PIPELINE, settings_of
 from redrive import breaker as breakers
+from redrive import logs
 from redrive.schema import dead_letters
 
 
@@ -27,7 +29,8 @@ def _pdf(text: str) -> bytes:
 def run_demo(ctx):  # -> orchestration.demo.DemoReport
     worker_log = logging.getLogger("redrive.conversion.worker")
     level = worker_log.level
-    worker_log.setLevel(logging.CRITICAL)  # the summary is the demo's output, not one JSON line per action
+    if not os.environ.get(logs.FORMAT_ENV):  # the summary is the demo's output, unless log lines were asked for
+        worker_log.setLevel(logging.CRITICAL)
     try:
         return _run(ctx)
     finally:

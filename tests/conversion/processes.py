@@ -104,14 +104,16 @@ class WorkerProcess:
             self._log.close()
 
     def events(self) -> list[dict[str, Any]]:
-        """The JSON log lines written so far (other lines, if any, are not ours and skipped)."""
+        """The worker's event lines written so far (other JSON lines — httpx, alembic — and text are skipped)."""
         out = []
         for line in self.log_path.read_text(errors="replace").splitlines():
             if line.startswith("{"):
                 try:
-                    out.append(json.loads(line))
+                    record = json.loads(line)
                 except json.JSONDecodeError:
                     continue
+                if "event" in record:
+                    out.append(record)
         return out
 
 
@@ -138,6 +140,7 @@ def worker_env(db_url: str, gateway_url: str, uploads: Path, results: Path, **kn
         "WORKER_IDLE_SLEEP_SEC": "0.05",
         "GATEWAY_TIMEOUT_MS": "10000",
         "REDRIVE_TIME_SCALE": "0.001",
+        "REDRIVE_LOG_FORMAT": "json",
     }
     env.update({k.upper(): str(v) for k, v in knobs.items()})
     return env

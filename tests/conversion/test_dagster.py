@@ -17,6 +17,7 @@ from devstack.stack import DAGSTER_YAML
 from redrive.breaker import CircuitBreaker
 from orchestration.cli import app as redrive_cli
 from redrive.schema import dead_letters
+from sensors.core import should_alert_run_failure
 from tests.conversion.conftest import job
 from tests.dagster_helpers import launch, tick
 
@@ -63,7 +64,11 @@ def test_sensor_requests_workers_for_due_work_and_a_run_drains_the_queue(conv_de
 
 def test_sensor_holds_while_the_breaker_is_open_and_asks_for_a_probe(conv_defs, instance, engine, submit,
                                                                      sandbox, conv_settings) -> None:
-    """Breaker open: no worker run while jobs are due, one probe run; the probe closes it once the gateway is healthy."""
+    """Breaker open: no worker run while jobs are due, one probe run; the probe closes it once the gateway is healthy.
+
+    A probe that finds the gateway still down is a failed run (issue 16 §4: it shows as failing in the UI),
+    tagged so the run-failure sensor adds no dead letter (the breaker's own alert went out when it opened).
+    """
     submit()
     breaker = CircuitBreaker(engine, "pdf-gateway", conv_settings.breaker_policy())
     for _ in range(10):
@@ -71,7 +76,12 @@ def test_sensor_holds_while_the_breaker_is_open_and_asks_for_a_probe(conv_defs, 
     [probe] = sensor_requests(conv_defs, instance)
     assert probe.job_name == "conversion_breaker_probe_job"
     sandbox.script("pdf.health", {"status": 503})
-    assert launch(conv_defs, instance, probe).success
+    failed = launch(conv_defs, instance, probe)
+    assert not failed.success
+    run = instance.get_run_by_id(failed.run_id)
+    assert run.status == dg.DagsterRunStatus.FAILURE
+    assert not should_alert_run_failure(run.tags)
+    assert "health probe failed" in failed.failure_data_for_node("probe_gateway").error.message
     assert not breaker.allows()  # still unhealthy
     [again] = sensor_requests(conv_defs, instance)
     assert again.run_key != probe.run_key

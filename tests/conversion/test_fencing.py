@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 import sqlalchemy as sa
 
 from assets.conversion import repository as repo
+from redrive import logs
 from tests.conversion.conftest import events, job
 
 
@@ -44,7 +44,7 @@ def test_every_late_write_of_a_reclaimed_lease_is_refused_logged_and_counted(eng
         fenced = [e["meta"] for e in repo.events(conn, job_id) if e["event"] == "fenced"]
     assert [(m["write"], m["worker"], m["epoch"]) for m in fenced] == [("extend", "a", 1), ("complete", "a", 1),
                                                                       ("requeue", "a", 1)]
-    lines = [json.loads(r.getMessage()) for r in caplog.records if '"lease_lost_write_refused"' in r.getMessage()]
+    lines = [logs.record_fields(r) for r in caplog.records if r.getMessage() == "lease_lost_write_refused"]
     assert [(line["write"], line["job_id"], line["epoch"]) for line in lines] == [
         ("extend", job_id, 1), ("complete", job_id, 1), ("requeue", job_id, 1)]
     assert events(engine, job_id).count("complete") == 1

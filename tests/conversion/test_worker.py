@@ -7,6 +7,7 @@ from datetime import timedelta
 import sqlalchemy as sa
 
 from assets.conversion import repository as repo
+from redrive import logs
 from redrive.backoff import ExponentialPlusJitter
 from redrive.schema import dead_letters
 from tests.conversion.conftest import events, job
@@ -138,7 +139,6 @@ def test_jitter_is_spread_across_jobs(reliability) -> None:
 def test_every_worker_action_is_one_json_line_with_the_fields_of_003(engine, sandbox, submit, make_worker, clock,
                                                                      caplog) -> None:
     """003 §3.7: event, job_id, status, attempt, duration_ms, gateway_status, error_code and breaker state."""
-    import json
     import logging
 
     caplog.set_level(logging.INFO, logger="redrive.conversion.worker")
@@ -148,12 +148,13 @@ def test_every_worker_action_is_one_json_line_with_the_fields_of_003(engine, san
     worker.step()
     clock.advance(60)
     worker.step()
-    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "redrive.conversion.worker"]
+    lines = [{"event": r.getMessage(), **logs.record_fields(r)} for r in caplog.records
+             if r.name == "redrive.conversion.worker"]
     by_event = {line["event"]: line for line in lines}
     retry, done = by_event["job_retry_scheduled"], by_event["job_completed"]
     for line in (retry, done):
-        assert {"ts", "event", "job_id", "status", "attempt", "duration_ms", "gateway_status", "breaker",
-                "worker"} <= set(line)
+        assert {"event", "job_id", "status", "attempt", "duration_ms", "gateway_status", "breaker",
+                "worker", "pipeline", "entity", "stage"} <= set(line)
         assert line["job_id"] == job_id and line["breaker"] == "closed"
     assert (retry["status"], retry["attempt"], retry["gateway_status"], retry["error_code"]) == ("queued", 1, 502,
                                                                                                 "GW_5XX")
@@ -210,7 +211,8 @@ def test_a_worker_waits_out_a_database_outage_of_minutes_with_capped_backoff(
     outage_waits = [w for w in waits if w != knobs.worker_idle_sleep_sec]
     assert sum(outage_waits) >= outage and len(outage_waits) > 8  # more errors than the old give-up count
     assert max(outage_waits) <= 20.0  # capped: WORKER_DB_BACKOFF_MAX_SEC
-    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "redrive.conversion.worker"]
+    lines = [{"event": r.getMessage(), **logs.record_fields(r)} for r in caplog.records
+             if r.name == "redrive.conversion.worker"]
     down = [x for x in lines if x["event"] == "database_unavailable"]
     back = [x for x in lines if x["event"] == "database_recovered"]
     assert down and down[0]["consecutive"] == 1 and len(down) < len(outage_waits)  # said once a minute, not per try

@@ -1,0 +1,217 @@
+"""Prometheus metrics for every pipeline, read from PostgreSQL at scrape time.
+
+Work runs in many processes (run workers, conversion workers), so in-process counters would each
+see a slice. Everything here is a query over the tables every process writes: stage outcomes and
+latency buckets (:mod:`redrive.observations`), the work queue and durable timers (due work), dead
+letters, alert deliveries and the circuit breakers. Every pipeline named gets every series, zero
+when it has nothing yet, so a dashboard panel never goes blank for a quiet pipeline.
+
+A pipeline whose work is not counted by the core (conversion keeps its own job events) gives a
+:class:`PipelineSource`: its observations and its due work, merged into the same series.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import sqlalchemy as sa
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from redrive import observations as obs
+from redrive.breaker import circuit_breakers
+from redrive.clock import Clock
+from redrive.schema import alert_deliveries, alerts, dead_letters, deferred_attempts, work_items
+from redrive.work import OPEN_STATUSES
+
+
+@dataclass(frozen=True)
+class PipelineSource:
+    """What a pipeline counts in its own tables: outcomes as observations, and its due work with its oldest."""
+
+    observations: Callable[[sa.Connection], Sequence[obs.Observation]] | None = None
+    due_work: Callable[[sa.Connection, datetime], tuple[int, datetime | None]] | None = None
+
+
+# The series this endpoint serves, by name as scraped (a test checks the Grafana dashboard against it).
+SERIES = (
+    "redrive_items_done_total", "redrive_items_failed_total", "redrive_retries_scheduled_total",
+    "redrive_stage_attempts_total", "redrive_stage_latency_seconds_bucket", "redrive_stage_latency_seconds_sum",
+    "redrive_stage_latency_seconds_count", "redrive_dead_letters_open", "redrive_dead_letter_oldest_open_seconds",
+    "redrive_alerts_sent_total", "redrive_alerts_pending", "redrive_due_work", "redrive_due_work_oldest_seconds",
+    "redrive_circuit_breaker_open", "redrive_circuit_breaker_open_seconds_total",
+)
+
+
+class PipelineCollector(Collector):
+    """Every pipeline's work: done, failed, retried, latency, dead letters, alerts, due work."""
+
+    def __init__(self, engine: sa.Engine, clock: Clock, pipelines: Sequence[str],
+                 sources: Mapping[str, PipelineSource] | None = None) -> None:
+        self.engine, self.clock, self.pipelines, self.sources = engine, clock, tuple(pipelines), dict(sources or {})
+
+    def collect(self) -> Iterator[Metric]:
+        now = self.clock.now()
+        with self.engine.connect() as conn:
+            rows = list(obs.read_all(conn))
+            for source in self.sources.values():
+                if source.observations is not None:
+                    rows += source.observations(conn)
+            letters = open_dead_letters(conn)
+            sent = conn.execute(
+                sa.select(alerts.c.pipeline, alert_deliveries.c.channel, alert_deliveries.c.status, sa.func.count())
+                .select_from(alert_deliveries.join(alerts, alerts.c.id == alert_deliveries.c.alert_id))
+                .group_by(alerts.c.pipeline, alert_deliveries.c.channel, alert_deliveries.c.status)).all()
+            due = due_work(conn, now, self.pipelines, self.sources)
+        yield from self._outcomes(rows)
+        yield from self._letters(letters, now)
+        yield from self._alerts(sent)
+        waiting = GaugeMetricFamily("redrive_due_work", "Work due now and not yet done (queue rows, timers).",
+                                    labels=["pipeline"])
+        age = GaugeMetricFamily("redrive_due_work_oldest_seconds", "How long the oldest due work has waited.",
+                                labels=["pipeline"])
+        for pipeline, (n, oldest) in sorted(due.items()):
+            waiting.add_metric([pipeline], n)
+            age.add_metric([pipeline], max(0.0, (now - oldest).total_seconds()) if oldest else 0.0)
+        yield waiting
+        yield age
+
+    def _outcomes(self, rows: Sequence[obs.Observation]) -> Iterator[Metric]:
+        done = CounterMetricFamily("redrive_items_done", "Entities that finished all their stages.",
+                                   labels=["pipeline"])
+        failed = CounterMetricFamily("redrive_items_failed", "Entities failed for good (dead-lettered), by error class.",
+                                     labels=["pipeline", "error_class"])
+        retries = CounterMetricFamily("redrive_retries_scheduled", "Failed attempts given another attempt later.",
+                                      labels=["pipeline", "stage", "error_class"])
+        attempts = CounterMetricFamily("redrive_stage_attempts", "Stage attempts by outcome.",
+                                       labels=["pipeline", "stage", "outcome"])
+        latency = HistogramMetricFamily("redrive_stage_latency_seconds", "Duration of timed stage attempts.",
+                                        labels=["pipeline", "stage"])
+        done_by: dict[str, int] = dict.fromkeys(self.pipelines, 0)
+        failed_by: dict[tuple[str, str], int] = defaultdict(int)
+        retry_by: dict[tuple[str, str, str], int] = defaultdict(int)
+        attempts_by: dict[tuple[str, str, str], int] = defaultdict(int)
+        hist: dict[tuple[str, str], tuple[list[int], float]] = {}
+        for r in rows:
+            if r.outcome == obs.DONE:
+                done_by[r.pipeline] = done_by.get(r.pipeline, 0) + r.count
+                continue
+            attempts_by[(r.pipeline, r.stage, r.outcome)] += r.count
+            if r.outcome == obs.FAILED:
+                failed_by[(r.pipeline, r.error_class or "-")] += r.count
+            elif r.outcome == obs.RETRY:
+                retry_by[(r.pipeline, r.stage, r.error_class or "-")] += r.count
+            buckets, total = hist.get((r.pipeline, r.stage), ([0] * (len(obs.BUCKETS) + 1), 0.0))
+            hist[(r.pipeline, r.stage)] = ([a + b for a, b in zip(buckets, r.buckets, strict=False)],
+                                           total + r.sum_seconds)
+        for pipeline, n in sorted(done_by.items()):
+            done.add_metric([pipeline], n)
+        for labels, n in sorted(failed_by.items()):
+            failed.add_metric(list(labels), n)
+        for labels, n in sorted(retry_by.items()):
+            retries.add_metric(list(labels), n)
+        for labels, n in sorted(attempts_by.items()):
+            attempts.add_metric(list(labels), n)
+        for (pipeline, stage), (buckets, total) in sorted(hist.items()):
+            cumulative = obs.cumulative(buckets)
+            bounds = [*(str(b) for b in obs.BUCKETS), "+Inf"]
+            latency.add_metric([pipeline, stage], list(zip(bounds, cumulative, strict=True)), total)
+        yield from (done, failed, retries, attempts, latency)
+
+    def _letters(self, letters: Sequence[sa.Row], now: datetime) -> Iterator[Metric]:
+        open_ = GaugeMetricFamily("redrive_dead_letters_open", "Dead letters not resolved (open, replaying, "
+                                  "escalated), by error class.", labels=["pipeline", "error_class"])
+        oldest = GaugeMetricFamily("redrive_dead_letter_oldest_open_seconds",
+                                   "Age of the oldest unresolved dead letter's first failure.", labels=["pipeline"])
+        ages: dict[str, float] = dict.fromkeys(self.pipelines, 0.0)
+        for pipeline, error_class, n, first in letters:
+            open_.add_metric([pipeline, error_class], n)
+            ages[pipeline] = max(ages.get(pipeline, 0.0), (now - first).total_seconds())
+        for pipeline, age in sorted(ages.items()):
+            oldest.add_metric([pipeline], age)
+        yield open_
+        yield oldest
+
+    def _alerts(self, sent: Sequence[sa.Row]) -> Iterator[Metric]:
+        delivered = CounterMetricFamily("redrive_alerts_sent", "Alert messages delivered, by channel.",
+                                        labels=["pipeline", "channel"])
+        pending = GaugeMetricFamily("redrive_alerts_pending", "Alert deliveries not yet sent.",
+                                    labels=["pipeline", "channel"])
+        for pipeline, channel, status, n in sent:
+            if status == "sent":
+                delivered.add_metric([pipeline, channel], n)
+            elif status == "pending":
+                pending.add_metric([pipeline, channel], n)
+        yield delivered
+        yield pending
+
+
+def open_dead_letters(conn: sa.Connection) -> list[sa.Row]:
+    """(pipeline, error class, count, oldest first failure) of the dead letters not resolved."""
+    return conn.execute(
+        sa.select(dead_letters.c.pipeline, dead_letters.c.error_class, sa.func.count(),
+                  sa.func.min(dead_letters.c.first_failure_at))
+        .where(dead_letters.c.status != "resolved")
+        .group_by(dead_letters.c.pipeline, dead_letters.c.error_class)).all()
+
+
+def due_work(conn: sa.Connection, now: datetime, pipelines: Sequence[str],
+             sources: Mapping[str, PipelineSource]) -> dict[str, list]:
+    """Per pipeline, [work due now, when the oldest of it fell due]: queue rows, durable timers, own queues."""
+    due: dict[str, list] = {p: [0, None] for p in pipelines}
+    for table, open_ in ((work_items, work_items.c.status.in_(OPEN_STATUSES)),
+                         (deferred_attempts, deferred_attempts.c.status == "waiting")):
+        for pipeline, n, oldest in conn.execute(
+                sa.select(table.c.pipeline, sa.func.count(), sa.func.min(table.c.due_at))
+                .where(open_, table.c.due_at <= now).group_by(table.c.pipeline)):
+            _add_due(due, pipeline, n, oldest)
+    for pipeline, source in sources.items():
+        if source.due_work is not None:
+            _add_due(due, pipeline, *source.due_work(conn, now))
+    return due
+
+
+def _add_due(due: dict[str, list], pipeline: str, n: int, oldest: datetime | None) -> None:
+    entry = due.setdefault(pipeline, [0, None])
+    entry[0] += n
+    if oldest is not None and (entry[1] is None or oldest < entry[1]):
+        entry[1] = oldest
+
+
+class BreakerCollector(Collector):
+    """Every circuit breaker's state and time spent open (003 §3.7)."""
+
+    def __init__(self, engine: sa.Engine, clock: Clock, known: Sequence[str] = ()) -> None:
+        self.engine, self.clock, self.known = engine, clock, tuple(known)  # known: reported even before first use
+
+    def collect(self) -> Iterator[Metric]:
+        from redrive.breaker import get_state
+
+        now = self.clock.now()
+        with self.engine.connect() as conn:
+            names = set(conn.execute(sa.select(circuit_breakers.c.name)).scalars()) | set(self.known)
+            states = [get_state(conn, name) for name in sorted(names)]
+        is_open = GaugeMetricFamily("redrive_circuit_breaker_open", "1 while the breaker holds the queue.",
+                                    labels=["breaker"])
+        open_time = CounterMetricFamily("redrive_circuit_breaker_open_seconds", "Time spent open, in seconds.",
+                                        labels=["breaker"])
+        for state in states:
+            is_open.add_metric([state.name], 1.0 if state.is_open else 0.0)
+            open_time.add_metric([state.name], state.open_seconds(now))
+        yield is_open
+        yield open_time
+
+
+def registry(engine: sa.Engine, clock: Clock, pipelines: Sequence[str],
+             sources: Mapping[str, PipelineSource] | None = None,
+             extra: Sequence[Collector] = (), breakers: Sequence[str] = ()) -> CollectorRegistry:
+    """One registry for the endpoint: every pipeline's series, the breakers, and pipelines' own collectors."""
+    out = CollectorRegistry(auto_describe=False)
+    out.register(PipelineCollector(engine, clock, pipelines, sources))
+    out.register(BreakerCollector(engine, clock, breakers))
+    for collector in extra:
+        out.register(collector)
+    return out
