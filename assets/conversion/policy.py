@@ -117,5 +117,3 @@ def dispatch(*, due: int, in_flight: int, concurrency: int, breaker_open: bool, 
     if free == 0:
         return Dispatch(reason=f"{in_flight} worker runs in flight (WORKER_CONCURRENCY={concurrency})")
     return Dispatch(worker_runs=min(free, due), reason=f"{due} due jobs")
-
-
