@@ -22,17 +22,16 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 
 from redrive import checkpoints, deadletters, logs, observations, work
-from redrive.budgets import RetryDecision, decide
-from redrive.deadletters import FinalFailure
 from redrive.failures import Failure
 from redrive.reliability import Reliability
 from redrive.sanitize import sanitize_exception, sanitize_text
+from redrive.settle import Verdict, settle
 from redrive.stages import StagePolicy
 from redrive.work import WorkItem
 
@@ -304,60 +303,58 @@ class Drain:
         return "done"
 
     def _settle_failure(self, attempt: Attempt, stage: str, exc: BaseException, seconds: float | None = None) -> str:
-        item, now = attempt.item, self.reliability.now()
+        item = attempt.item
         policy = self.policy_for(stage)
-        failure = policy.classify(exc, now)
-        number = item.attempts.get(stage, 0) + 1
-        decision = self.decide(policy, failure, number, f"{self.pipeline}:{item.entity_ref}:{stage}:{number}")
         stage_attempts = attempt.stage_attempts(stage)
-        public = sanitize_text(f"{stage} attempt {number}/{policy.max_attempts} of {item.entity_ref}: "
-                               f"{failure.code}: {failure.message}")
-        self._count_failure(attempt, stage, number, failure, decision)
-        context = logs.fields(pipeline=self.pipeline, entity=item.entity_ref, stage=stage, attempt=number,
-                              error_class=failure.code, run_id=self.run_id)
-        if decision.retry:
-            due_at = now + timedelta(seconds=decision.delay * self.reliability.time_scale)
-            with self.engine.begin() as conn:
-                if not work.reschedule(conn, item, due_at=due_at, stage=stage, attempts=stage_attempts,
-                                       error=public, now=now):
-                    raise LeaseLost(item.entity_ref)
-                for write in attempt.on_failure:
-                    write(conn, failure, False)
-                observations.observe(conn, self.pipeline, stage, observations.RETRY, error_class=failure.code,
-                                     seconds=seconds)
-            if log.isEnabledFor(logging.INFO):
-                log.info("%s; next attempt due %s", public, due_at.isoformat(),
-                         extra={**context, "due_at": due_at.isoformat()})
-            return "retried"
-        stack = sanitize_exception(exc)
-        with self.engine.begin() as conn:
-            if not work.bury(conn, item, stage=stage, attempts=stage_attempts, error=public, now=now):
+
+        def retry(conn: sa.Connection, verdict: Verdict) -> bool:
+            self._count_failure(attempt, verdict)
+            if not work.reschedule(conn, item, due_at=verdict.due_at, stage=stage,  # type: ignore[arg-type]
+                                   attempts=stage_attempts, error=verdict.public, now=verdict.now):
                 raise LeaseLost(item.entity_ref)
             for write in attempt.on_failure:
-                write(conn, failure, True)
-            final = FinalFailure(
-                pipeline=self.pipeline, stage=stage, entity_ref=item.entity_ref, failure=failure, attempts=number,
-                at=now, tenant=attempt.tenant, stack=stack,
-                context={**attempt.context, "decision": decision.reason, "dagster_run_id": self.run_id},
-                payload_ref=attempt.payload_ref, stage_attempts=stage_attempts, run_id=self.run_id,
-            )
-            recorded = self.reliability.fail_for_good(final, conn=conn)
-        log.warning("%s; %s: dead letter %s", public, decision.reason, recorded.dead_letter.id,
-                    extra={**context, "dead_letter_id": recorded.dead_letter.id})
+                write(conn, verdict.failure, False)
+            observations.observe(conn, self.pipeline, stage, observations.RETRY, error_class=verdict.failure.code,
+                                 seconds=seconds)
+            return True
+
+        def bury(conn: sa.Connection, verdict: Verdict) -> bool:
+            self._count_failure(attempt, verdict)
+            if not work.bury(conn, item, stage=stage, attempts=stage_attempts, error=verdict.public,
+                             now=verdict.now):
+                raise LeaseLost(item.entity_ref)
+            for write in attempt.on_failure:
+                write(conn, verdict.failure, True)
+            return True
+
+        settled = settle(
+            self.reliability, pipeline=self.pipeline, stage=stage, entity_ref=item.entity_ref,
+            failure=policy.classify(exc, self.reliability.now()), attempt=item.attempts.get(stage, 0) + 1,
+            budget=policy, on_retry=retry, on_final=bury, dispatch=False,  # sent once, at the end of the run
+            final=lambda verdict: verdict.final_failure(
+                tenant=attempt.tenant, stack=sanitize_exception(exc), payload_ref=attempt.payload_ref,
+                context={**attempt.context, "decision": verdict.decision.reason, "dagster_run_id": self.run_id},
+                stage_attempts=stage_attempts, run_id=self.run_id),
+        )
+        verdict = settled.verdict
+        context = logs.fields(pipeline=self.pipeline, entity=item.entity_ref, stage=stage, attempt=verdict.attempt,
+                              error_class=verdict.failure.code, run_id=self.run_id)
+        if settled.outcome == "retried":
+            if log.isEnabledFor(logging.INFO):
+                due = verdict.due_at.isoformat()  # type: ignore[union-attr]
+                log.info("%s; next attempt due %s", verdict.public, due, extra={**context, "due_at": due})
+            return "retried"
+        log.warning("%s; %s: dead letter %s", verdict.public, verdict.decision.reason, settled.dead_letter_id,
+                    extra={**context, "dead_letter_id": settled.dead_letter_id})
         return "dead_lettered"
 
-    def _count_failure(self, attempt: Attempt, stage: str, number: int, failure: Failure,
-                       decision: RetryDecision) -> None:
+    def _count_failure(self, attempt: Attempt, verdict: Verdict) -> None:
         report, lock = attempt.report, attempt.report_lock
         if report is None or lock is None:
             return
         with lock:
-            report.failures[failure.code] = report.failures.get(failure.code, 0) + 1
-            if decision.retry and len(report.retry_log) < report.RETRY_LOG_LIMIT:
-                report.retry_log.append({"entity": attempt.entity_ref, "stage": stage, "attempt": number,
-                                         "wait": decision.delay * self.reliability.time_scale,
-                                         "error_class": failure.code})
-
-    def decide(self, policy: StagePolicy, failure: Failure, attempt: int, jitter_key: str) -> RetryDecision:
-        return decide(failure, attempt, policy.max_attempts, policy.backoff, self.reliability.rng_for(jitter_key))
-
+            code = verdict.failure.code
+            report.failures[code] = report.failures.get(code, 0) + 1
+            if verdict.decision.retry and len(report.retry_log) < report.RETRY_LOG_LIMIT:
+                report.retry_log.append({"entity": attempt.entity_ref, "stage": verdict.stage,
+                                         "attempt": verdict.attempt, "wait": verdict.wait, "error_class": code})

@@ -5,7 +5,6 @@ No I/O and no Dagster here (STYLE §2); the worker, the API and the sensor carry
 
 from __future__ import annotations
 
-import math
 import re
 import unicodedata
 import xml.etree.ElementTree as ET
@@ -118,9 +117,3 @@ def dispatch(*, due: int, in_flight: int, concurrency: int, breaker_open: bool, 
     if free == 0:
         return Dispatch(reason=f"{in_flight} worker runs in flight (WORKER_CONCURRENCY={concurrency})")
     return Dispatch(worker_runs=min(free, due), reason=f"{due} due jobs")
-
-
-def scaled_seconds(seconds: float, time_scale: float) -> float:
-    """A wait as configured, times the core's time scale (tests and the demo shrink every wait)."""
-    value = seconds * time_scale
-    return value if math.isfinite(value) and value > 0 else 0.0

@@ -56,11 +56,11 @@ from redrive import logs
 from redrive.alerts import Alert
 from redrive.backoff import FullJitter
 from redrive.breaker import CircuitBreaker, Transition, counts_as_failure, prune_if_due, record_call
-from redrive.budgets import decide
 from redrive.deadletters import FinalFailure
 from redrive.failures import Failure
 from redrive.reliability import Reliability
 from redrive.sanitize import sanitize_text
+from redrive.settle import Budget, Verdict, settle
 from redrive.vocabularies import CONVERSION
 from resources.conversion import Gateway
 
@@ -823,48 +823,57 @@ class Worker:
         self.in_flight[(lease.job_id, lease.epoch)] = lease
         return self._write_one(Attempt(lease, staged, len(xml), None, call_ms, duration_ms))
 
+    @property
+    def budget(self) -> Budget:
+        """003 §3.2: RETRY_MAX_ATTEMPTS attempts under the configured backoff."""
+        return Budget(self.settings.retry_max_attempts, self.backoff)
+
     def _failed(self, attempt: Attempt) -> Outcome:
+        """The core settles it: ``queued`` with ``retryAfter``, or ``failed`` with its dead letter and alert in
+        one transaction (issue 13 item 3); the gateway call enters the breaker's window in that transaction."""
         lease, failure, duration_ms = attempt.lease, attempt.failure, attempt.duration_ms
         assert failure is not None
-        now = self.clock.now()
-        rng = self.reliability.rng_for(f"{PIPELINE}:{lease.job_id}:{STAGE}:{lease.attempt}")
-        decision = decide(failure, lease.attempt, self.settings.retry_max_attempts, self.backoff, rng)
         meta = {"worker": lease.worker, "epoch": lease.epoch, "duration_ms": duration_ms,
                 "gateway_status": failure.upstream_status}
-        message = sanitize_text(failure.message)[:300]
-        if decision.retry:
-            wait = policy.scaled_seconds(decision.delay, self.reliability.time_scale)
-            retry_at = now + timedelta(seconds=wait)
-            with self.engine.begin() as conn:
-                transition = self._record_call(conn, failure, attempt.call_ms)
-                ok = repo.schedule_retry(conn, lease, failure.code, message, retry_at, now,
-                                         {**meta, "delay_ms": round(wait * 1000, 1)})
-            if transition is not None:
-                self._breaker_opened(transition, failure)
-            if not ok:
-                self._fenced(lease, "retry")
-                return "fenced"
+        transitions: list[Transition | None] = []
+
+        def retry(conn: sa.Connection, verdict: Verdict) -> bool:
+            transitions.append(self._record_call(conn, failure, attempt.call_ms))
+            return repo.schedule_retry(conn, lease, failure.code, verdict.message[:300], verdict.due_at,  # type: ignore[arg-type]
+                                       verdict.now, {**meta, "delay_ms": round(verdict.wait * 1000, 1)})
+
+        def fail(conn: sa.Connection, verdict: Verdict) -> bool:
+            transitions.append(self._record_call(conn, failure, attempt.call_ms))
+            return repo.fail(conn, lease, failure.code, verdict.message[:300], verdict.now,
+                             {**meta, "reason": verdict.decision.reason})
+
+        settled = settle(self.reliability, pipeline=PIPELINE, stage=STAGE, entity_ref=lease.job_id, failure=failure,
+                         attempt=lease.attempt, budget=self.budget, on_retry=retry, on_final=fail,
+                         final=lambda verdict: self._final_failure(verdict, lease.owner))
+        if transitions and transitions[0] is not None:
+            self._breaker_opened(transitions[0], failure)
+        verdict = settled.verdict
+        if settled.outcome == "refused":
+            self._fenced(lease, "retry" if verdict.decision.retry else "fail")
+            return "fenced"
+        if settled.outcome == "retried":
             self.report.retried += 1
             self.log("job_retry_scheduled", job_id=lease.job_id, status="queued", attempt=lease.attempt,
                      duration_ms=duration_ms, gateway_status=failure.upstream_status, error_code=failure.code,
-                     retry_in_ms=round(wait * 1000, 1), level=logging.WARNING)
+                     retry_in_ms=round(verdict.wait * 1000, 1), level=logging.WARNING)
             return "retry"
-        with self.engine.begin() as conn:  # issue 13 item 3: `failed`, dead letter and alert commit together
-            transition = self._record_call(conn, failure, attempt.call_ms)
-            ok = repo.fail(conn, lease, failure.code, message, now, {**meta, "reason": decision.reason})
-            if ok:
-                self._record_final(conn, lease.job_id, lease.owner, failure, lease.attempt, now)
-        if transition is not None:
-            self._breaker_opened(transition, failure)
-        if not ok:
-            self._fenced(lease, "fail")
-            return "fenced"
         self.report.failed += 1
         self.log("job_failed", job_id=lease.job_id, status="failed", attempt=lease.attempt, duration_ms=duration_ms,
-                 gateway_status=failure.upstream_status, error_code=failure.code, reason=decision.reason,
+                 gateway_status=failure.upstream_status, error_code=failure.code, reason=verdict.decision.reason,
                  level=logging.ERROR)
-        self.reliability.try_dispatch()
         return "failed"
+
+    @staticmethod
+    def _final_failure(verdict: Verdict, owner: str | None) -> FinalFailure:
+        """The dead letter of a job failed for good."""
+        job_id, code = verdict.entity_ref, verdict.failure.code
+        return verdict.final_failure(tenant=owner, context={"job_id": job_id, "error_code": code},
+                                     payload_ref={"table": "conversion_jobs", "id": job_id})
 
     def _record_final(self, conn: sa.Connection, job_id: str, owner: str | None, failure: Failure, attempts: int,
                       now: datetime) -> None:

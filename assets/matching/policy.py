@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import random
 import re
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,9 +19,7 @@ from typing import Annotated, Any, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
 
-from redrive.backoff import MATCHING_VISIBILITY_BACKOFF, BackoffPolicy
-from redrive.budgets import decide
-from redrive.failures import Failure
+from redrive.budgets import RetryDecision
 
 PIPELINE = "matching"
 
@@ -368,10 +365,9 @@ class Delivery:
     delay: float = 0.0  # unscaled seconds before SQS delivers the message again (RETRY_LATER only)
 
 
-def delivery_decision(failure: Failure, receive_count: int, max_receive_count: int, rng: random.Random,
-                      policy: BackoffPolicy = MATCHING_VISIBILITY_BACKOFF, *,
-                      status: str | None = IN_PROGRESS) -> Delivery:
-    """000's flow after in-process retries: receive count 1 → 5 min, 2 → 30 min, 3 → failed, left for the DLQ.
+def delivery(decision: RetryDecision, *, status: str | None = IN_PROGRESS) -> Delivery:
+    """000's flow after in-process retries, from the core's decision on the receive count under
+    `MATCHING_VISIBILITY_BACKOFF`: receive count 1 → 5 min, 2 → 30 min, 3 → failed, left for the DLQ.
 
     A non-transient failure fails at once, whatever the receive count. `status` is the document's
     status when the failure is recorded: a `succeeded` document (SQS delivered it twice) keeps its
@@ -380,7 +376,6 @@ def delivery_decision(failure: Failure, receive_count: int, max_receive_count: i
     """
     if status == SUCCEEDED:
         return Delivery(Action.DUPLICATE)
-    decision = decide(failure, max(1, receive_count), max_receive_count, policy, rng)
     if decision.retry:
         return Delivery(Action.RETRY_LATER, decision.delay)
     return Delivery(Action.FAILED if decision.reason == "permanent" else Action.LEFT_FOR_DLQ)

@@ -11,8 +11,8 @@
 
 Classification is the core's (`redrive.vocabularies.MATCHING`: 000's table), the LLM retry loop
 is `redrive.retrying.call_with_retries`, the visibility steps `MATCHING_VISIBILITY_BACKOFF` through
-`redrive.budgets.decide`, and the transition to failed is `Reliability.fail_for_good` (dead letter +
-Slack/email alert with document id, tenant, error, attempt count and admin link). Nothing here
+the core's settlement (`redrive.settle`: the document's state and, when it failed, its dead letter +
+Slack/email alert with document id, tenant, error, attempt count and admin link, in one transaction). Nothing here
 returns an empty result on failure: the LLM's answer is a valid decision or an exception.
 """
 
@@ -28,19 +28,20 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import httpx
+import sqlalchemy as sa
 from pydantic import ValidationError
 
 from assets.matching import policy, repository
 from assets.matching.policy import PIPELINE, Action, Embedder, MatchDecision, MatchingMessage, Prepared
 from assets.matching.repository import WriteHooks
 from redrive import logs, observations
-from redrive.backoff import MATCHING_LLM_BACKOFF
+from redrive.backoff import MATCHING_LLM_BACKOFF, MATCHING_VISIBILITY_BACKOFF
 from redrive.clock import Sleep
-from redrive.deadletters import FinalFailure
 from redrive.failures import Code, Failure, classify_exception
 from redrive.reliability import Reliability
 from redrive.retrying import call_with_retries
-from redrive.sanitize import sanitize_exception, sanitize_text
+from redrive.sanitize import sanitize_exception
+from redrive.settle import Budget, Settled, Verdict, Write, settle
 from redrive.vocabularies import MATCHING
 from resources.llm import LlmResource
 from resources.matching import MatchingQueue, ReceivedMessage
@@ -302,7 +303,8 @@ class Worker:
         """000's flow from `in-progress` on: match, then delete, or decide on the failure."""
         if doc is None:
             failure = MATCHING.apply(Failure.of(Code.NOT_FOUND, message="document not found"))
-            letter = self._notify(body.document_id, None, failure, message.receive_count, message, stack="")
+            letter = self._settle(body.document_id, None, failure, message, attempts=message.receive_count,
+                                  stack="").dead_letter_id
             deleted = self._sqs(lambda: self.queue.delete(message.receipt_handle), f"delete of {body.document_id}")
             return Outcome(message.message_id, body.document_id, Action.FAILED, message.receive_count,
                            code=failure.code, deleted=deleted, dead_letter_id=letter)
@@ -379,19 +381,25 @@ class Worker:
 
     def _after_failure(self, message: ReceivedMessage, doc: dict[str, Any], failure: Failure,
                        exc: BaseException, llm_calls: int, seconds: float | None = None) -> Outcome:
-        rng = self.runtime.rng_for(f"{PIPELINE}:{doc['id']}:delivery:{message.receive_count}")
-        error = sanitize_text(f"{failure.code}: {failure.message}")[:500]
-        now = self.runtime.now()
+        """The core settles the delivery; the document's state is decided on its status as it is now
+        (row locked) and recorded with the dead letter in one transaction, then SQS carries it out."""
         base = dict(message_id=message.message_id, document_id=doc["id"], receive_count=message.receive_count,
                     code=failure.code, llm_calls=llm_calls)
-        with self.runtime.engine.begin() as conn:  # decide on the status as it is now, and record, atomically
-            status = repository.lock_status(conn, doc["id"])
-            delivery = policy.delivery_decision(failure, message.receive_count, self.config.max_receive_count, rng,
-                                                status=status)
-            if delivery.action is Action.RETRY_LATER:
-                repository.mark_waiting(conn, doc["id"], error, now)
-            elif delivery.action in (Action.FAILED, Action.LEFT_FOR_DLQ):
-                repository.mark_failed(conn, doc["id"], error, now)
+        deliveries: list[policy.Delivery] = []
+
+        def record(conn: sa.Connection, verdict: Verdict) -> bool:
+            delivery = policy.delivery(verdict.decision, status=repository.lock_status(conn, doc["id"]))
+            deliveries.append(delivery)
+            if delivery.action is Action.DUPLICATE:
+                return False  # the result stays; no retry, no dead letter
+            mark = repository.mark_waiting if delivery.action is Action.RETRY_LATER else repository.mark_failed
+            mark(conn, doc["id"], verdict.error[:500], verdict.now)
+            return True
+
+        settled = self._settle(doc["id"], doc["tenant"], failure, message, attempts=doc["matching_attempts"],
+                               stack=sanitize_exception(exc), llm_calls=llm_calls, record=record,
+                               outcome=lambda: str(deliveries[0].action))
+        delivery = deliveries[0]
         if delivery.action is Action.DUPLICATE:
             deleted = self._sqs(lambda: self.queue.delete(message.receipt_handle),
                                 f"delete of a duplicate of {doc['id']}")
@@ -407,8 +415,7 @@ class Worker:
                           f"visible again in {visible}s", extra=self._fields(doc, message.receive_count, failure))
             return Outcome(action=Action.RETRY_LATER, visibility=visible, **base)
 
-        letter = self._notify(doc["id"], doc["tenant"], failure, doc["matching_attempts"], message,
-                              stack=sanitize_exception(exc), llm_calls=llm_calls, outcome=str(delivery.action))
+        letter = settled.dead_letter_id
         if delivery.action is Action.FAILED:
             deleted = self._sqs(lambda: self.queue.delete(message.receipt_handle),
                                 f"delete after failure of {doc['id']}")
@@ -434,32 +441,43 @@ class Worker:
             self.log.warning(f"matching: SQS {what} failed ({failure.code}); the message will be delivered again")
             return False
 
-    def _notify(self, document_id: str, tenant: str | None, failure: Failure, attempts: int,
-                message: ReceivedMessage, *, stack: str, llm_calls: int = 0, outcome: str = "failed") -> int:
-        """The transition to failed: one dead letter and one Slack/email alert through the core."""
-        recorded = self.runtime.fail_for_good(
-            FinalFailure(
-                pipeline=PIPELINE, stage=STAGE, entity_ref=document_id, failure=failure, attempts=attempts,
-                at=self.runtime.now(), tenant=tenant, stack=stack,
+    def _settle(self, document_id: str, tenant: str | None, failure: Failure, message: ReceivedMessage, *,
+                attempts: int, stack: str, llm_calls: int = 0, record: Write | None = None,
+                outcome: Callable[[], str] = lambda: "failed") -> Settled:
+        """One delivery of a document settled by the core under 000's visibility steps (the receive count is
+        the attempt); without `record`, failed for good now. The final case is one dead letter and one
+        Slack/email alert with document id, tenant, error, attempt count and admin link."""
+        return settle(
+            self.runtime, pipeline=PIPELINE, stage=STAGE, entity_ref=document_id, failure=failure,
+            attempt=message.receive_count, budget=Budget(self.config.max_receive_count, MATCHING_VISIBILITY_BACKOFF),
+            jitter_key=f"{PIPELINE}:{document_id}:delivery:{message.receive_count}",
+            on_retry=record, on_final=record or _nothing_to_write, link=self.admin_link(document_id, tenant),
+            final=lambda verdict: verdict.final_failure(
+                attempts=attempts, tenant=tenant, stack=stack,
                 context={"receive_count": message.receive_count, "sqs_message_id": message.message_id,
-                         "llm_calls": llm_calls, "outcome": outcome, "queue": self.queue.queue_name},
+                         "llm_calls": llm_calls, "outcome": outcome(), "queue": self.queue.queue_name},
                 payload_ref={"table": "document", "document_id": document_id, "sqs_message_id": message.message_id},
-                stage_attempts={"match": attempts}, run_id=self.run_id,
-            ),
-            link=self.admin_link(document_id, tenant),
+                stage_attempts={"match": attempts}, run_id=self.run_id),
         )
-        return recorded.dead_letter.id
 
     def _quarantine(self, message: ReceivedMessage, exc: ValidationError) -> Outcome:
         """Not a matching message at all: no delivery can fix it. Kept in the DLQ now, dead letter + alert."""
         failure = MATCHING.apply(Failure.of(
             Code.DATA_ERROR, message="malformed matching message (expected {\"document_id\": …})", detail=str(exc)))
         self.queue.move_to_dlq(message, f"{failure.code}: malformed matching message")
-        recorded = self.runtime.fail_for_good(FinalFailure(
-            pipeline=PIPELINE, stage="receive", entity_ref=f"sqs-message:{message.message_id}", failure=failure,
-            attempts=message.receive_count, at=self.runtime.now(),
-            context={"queue": self.queue.queue_name, "moved_to": self.queue.dlq_name},
-            payload_ref={"queue": self.queue.dlq_name, "sqs_message_id": message.message_id}, run_id=self.run_id,
-        ))
+        settled = settle(
+            self.runtime, pipeline=PIPELINE, stage="receive", entity_ref=f"sqs-message:{message.message_id}",
+            failure=failure, attempt=message.receive_count, budget=Budget(1, MATCHING_VISIBILITY_BACKOFF),
+            on_retry=None, on_final=_nothing_to_write,
+            final=lambda verdict: verdict.final_failure(
+                context={"queue": self.queue.queue_name, "moved_to": self.queue.dlq_name},
+                payload_ref={"queue": self.queue.dlq_name, "sqs_message_id": message.message_id},
+                run_id=self.run_id),
+        )
         return Outcome(message.message_id, None, Action.QUARANTINED, message.receive_count, code=failure.code,
-                       deleted=True, dead_letter_id=recorded.dead_letter.id)
+                       deleted=True, dead_letter_id=settled.dead_letter_id)
+
+
+def _nothing_to_write(conn: sa.Connection, verdict: Verdict) -> bool:
+    """No state of its own to write: the dead letter is the record."""
+    return True

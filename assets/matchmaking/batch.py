@@ -13,8 +13,8 @@ users shares each statement while every user keeps its own job row, outcome and 
 Transient database errors and timeouts are retried in-process through the core's loop
 (`call_with_retries`) at 30 s, 2 min, 5 min (× `time_scale`). A chunk that fails permanently is
 split to find the users it belongs to; one that keeps failing transiently fails all its users. A
-user that fails for good gets its job marked `failed` and exactly one dead letter and alert
-(`Reliability.fail_for_good`, entity `{date}:{timezone}:{user_id}`). No Dagster here: the asset,
+user that fails for good gets its job marked `failed` and exactly one dead letter and alert, settled
+by the core in one transaction (`redrive.settle`, entity `{date}:{timezone}:{user_id}`). No Dagster here: the asset,
 the tests and the benchmark drive the same code.
 """
 
@@ -33,11 +33,11 @@ from assets.matchmaking.policy import Offers, Partition, Pool, ScoringWeights
 from redrive import logs, observations
 from redrive.backoff import MATCHMAKING_BACKOFF
 from redrive.clock import Sleep
-from redrive.deadletters import FinalFailure
 from redrive.failures import Code, Failure, RedriveError
 from redrive.reliability import Reliability
 from redrive.retrying import call_with_retries
 from redrive.sanitize import sanitize_exception
+from redrive.settle import settle
 from redrive.stages import StagePolicy
 from redrive.vocabularies import MATCHMAKING
 
@@ -312,40 +312,32 @@ class PartitionRun:
         self._settle(out, failures, mark=False)  # no job row in a timezone the user is not in
 
     def _settle(self, out: Outcome, failures: list[UserFailure], *, mark: bool = True) -> None:
-        """Mark the jobs failed, then one dead letter and alert per user (the core dedupes repeats)."""
-        if not failures:
-            return
-        messages = {f.user_id: f"{f.failure.code}: {f.failure.message}" for f in failures}
-        marked = set(messages)
-        if mark:
-            with self.runtime.engine.begin() as conn:
-                marked = repository.mark_failed(conn, self.partition.date, self.partition.timezone, messages)
+        """Each user failed for good through the core: its job `failed`, one dead letter and alert, in one
+        transaction (the core dedupes repeats); a job completed meanwhile gets neither."""
         for f in failures:
-            if f.user_id not in marked:  # completed meanwhile by another run, or deleted: nothing to redo
-                self.log.info(f"{self.partition.user_ref(f.user_id)} {f.stage}: {f.failure.code}, but the job is "
-                              f"completed by another run or the user was deleted; no dead letter")
+            ref = self.partition.user_ref(f.user_id)
+            settled = settle(
+                self.runtime, pipeline=policy.PIPELINE, stage=f.stage, entity_ref=ref, failure=f.failure,
+                attempt=f.attempts, budget=POLICY, on_retry=None,  # the in-process retries are spent
+                on_final=lambda conn, verdict, user=f.user_id: not mark or user in repository.mark_failed(
+                    conn, self.partition.date, self.partition.timezone, {user: verdict.error}),
+                final=lambda verdict, f=f: verdict.final_failure(
+                    stack=f.stack, stage_attempts={f.stage: f.attempts}, run_id=self.run_id,
+                    context={"date": self.partition.date.isoformat(), "timezone": self.partition.timezone,
+                             "user_id": f.user_id, "dagster_run_id": self.run_id},
+                    payload_ref={"table": "matchmaking_jobs", "date": self.partition.date.isoformat(),
+                                 "user_id": f.user_id}),
+            )
+            if settled.recorded is None:  # completed meanwhile by another run, or deleted: nothing to redo
+                self.log.info(f"{ref} {f.stage}: {f.failure.code}, but the job is completed by another run or the "
+                              f"user was deleted; no dead letter")
                 continue
             out.failed[f.user_id] = f.failure.code
-            recorded = self.runtime.fail_for_good(FinalFailure(
-                pipeline=policy.PIPELINE,
-                stage=f.stage,
-                entity_ref=self.partition.user_ref(f.user_id),
-                failure=f.failure,
-                attempts=f.attempts,
-                at=self.runtime.now(),
-                stack=f.stack,
-                context={"date": self.partition.date.isoformat(), "timezone": self.partition.timezone,
-                         "user_id": f.user_id, "dagster_run_id": self.run_id},
-                payload_ref={"table": "matchmaking_jobs", "date": self.partition.date.isoformat(),
-                             "user_id": f.user_id},
-                stage_attempts={f.stage: f.attempts},
-                run_id=self.run_id,
-            ))
-            out.dead_letters_created += int(recorded.created)
-            self.log.error(f"{self.partition.user_ref(f.user_id)} {f.stage}: {f.failure.code}: "
-                           f"{f.failure.message}; dead letter {recorded.dead_letter.id}", extra=logs.fields(
-                               pipeline=policy.PIPELINE, entity=self.partition.user_ref(f.user_id), stage=f.stage,
-                               attempt=f.attempts, error_class=f.failure.code, run_id=self.run_id))
+            out.dead_letters_created += int(settled.recorded.created)
+            self.log.error(f"{ref} {f.stage}: {f.failure.code}: {f.failure.message}; "
+                           f"dead letter {settled.dead_letter_id}", extra=logs.fields(
+                               pipeline=policy.PIPELINE, entity=ref, stage=f.stage, attempt=f.attempts,
+                               error_class=f.failure.code, run_id=self.run_id))
 
 
 def load_pool(engine: sa.Engine, partition: Partition) -> Pool:

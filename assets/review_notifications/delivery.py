@@ -36,11 +36,11 @@ from assets.review_notifications.repository import Delivery, Job
 from redrive import work
 from redrive.alerts import Alert
 from redrive.clock import Sleep
-from redrive.deadletters import FinalFailure
 from redrive.failures import Failure, RedriveError, classify_exception, raise_failure
 from redrive.reliability import Reliability
 from redrive.retrying import call_with_retries
-from redrive.sanitize import digest, sanitize_exception, sanitize_text
+from redrive.sanitize import digest, sanitize_exception
+from redrive.settle import Budget, Verdict, settle
 from resources.review_notifications import MailProvider, OutgoingMail, ProviderMessage
 
 log = logging.getLogger(__name__)
@@ -231,38 +231,33 @@ class Deliverer:
     def _fail_row(self, job: Job, delivery_id: int, err: RedriveError) -> int:
         """§8.1: this recipient's row fails for an operator: its dead letter, alert and `failed` state at once.
 
-        One recipient of a job that has several, so not the drain's entity: the core records the
-        letter (`fail_for_good`) and gives the row a dead work item of its own (`work.record_dead`),
-        so `redrive dlq replay` makes that recipient due like any drained entity. One transaction:
-        a crash leaves a retryable row without a letter, or both, never one of them.
+        One recipient of a job that has several, so not the drain's entity: the core settles it as failed
+        for good (its in-process attempts are spent) and the row gets a dead work item of its own
+        (`work.record_dead`), so `redrive dlq replay` makes that recipient due like any drained entity.
+        One transaction: a crash leaves a retryable row without a letter, or both, never one of them.
         """
         with self.engine.connect() as conn:
             row = repository.get_delivery(conn, delivery_id)
-        ref = policy.delivery_ref(job.key, row.id)
-        now, attempts = self.runtime.now(), max(1, row.attempts)
-        error = f"{err.failure.code}: {err.failure.message}"
-        with self.engine.begin() as conn:
-            repository.fail_delivery(conn, row.id, error)
+        ref, attempts = policy.delivery_ref(job.key, row.id), max(1, row.attempts)
+
+        def fail(conn: sa.Connection, verdict: Verdict) -> bool:
+            repository.fail_delivery(conn, row.id, verdict.error)
             work.record_dead(conn, policy.PIPELINE, ref, stage="send", attempts={"send": attempts},
-                             error=sanitize_text(error), now=now)
-            recorded = self.runtime.fail_for_good(FinalFailure(
-                pipeline=policy.PIPELINE,
-                stage="send",
-                entity_ref=ref,
-                failure=err.failure,
-                attempts=attempts,
-                at=now,
-                stack=sanitize_exception(err),
+                             error=verdict.error, now=verdict.now)
+            return True
+
+        settled = settle(
+            self.runtime, pipeline=policy.PIPELINE, stage="send", entity_ref=ref, failure=err.failure,
+            attempt=attempts, budget=Budget(self.row_attempts, policy.ROW_BACKOFF), on_retry=None, on_final=fail,
+            final=lambda verdict: verdict.final_failure(
+                stack=sanitize_exception(err), stage_attempts={"send": attempts}, run_id=self.run_id,
                 context={"job": job.key, "changelist_id": job.changelist_id, "review_version": job.review_version,
                          "delivery_id": row.id, "recipient_sha256": digest(row.recipient),
                          "dagster_run_id": self.run_id},
-                payload_ref={"table": "review_deliveries", "id": row.id, "job": job.key},
-                stage_attempts={"send": attempts},
-                run_id=self.run_id,
-            ), conn=conn)
-        self.runtime.try_dispatch()
-        log.info("%s: %s; dead letter %s", ref, err.failure.code, recorded.dead_letter.id)
-        return recorded.dead_letter.id
+                payload_ref={"table": "review_deliveries", "id": row.id, "job": job.key}),
+        )
+        log.info("%s: %s; dead letter %s", ref, err.failure.code, settled.dead_letter_id)
+        return settled.dead_letter_id  # type: ignore[return-value]
 
 
 def raise_for_job(report: DeliveryReport) -> None:

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from assets.matching import policy
 from assets.matching.policy import Action, Candidate, Edge, MatchDecision
 from assets.matching.worker import classify
-from redrive.backoff import MATCHING_LLM_BACKOFF
+from redrive.backoff import MATCHING_LLM_BACKOFF, MATCHING_VISIBILITY_BACKOFF
+from redrive.budgets import decide
 from redrive.failures import Code, Failure
 from redrive.vocabularies import MATCHING
 
@@ -57,6 +58,12 @@ def test_classification_follows_000s_table(exc: BaseException, transient: bool) 
     assert classify(exc).retryable is transient
 
 
+def delivery_decision(failure: Failure, receive_count: int, status: str = policy.IN_PROGRESS) -> policy.Delivery:
+    """The core's decision on the receive count (as `redrive.settle` makes it), read as 000's delivery."""
+    decision = decide(failure, max(1, receive_count), 3, MATCHING_VISIBILITY_BACKOFF, random.Random(1))
+    return policy.delivery(decision, status=status)
+
+
 @pytest.mark.parametrize(("receive_count", "action", "delay"), [
     (1, Action.RETRY_LATER, 300.0), (2, Action.RETRY_LATER, 1800.0), (3, Action.LEFT_FOR_DLQ, 0.0),
     (4, Action.LEFT_FOR_DLQ, 0.0),  # a message seen more often than the policy says: never loop further
@@ -64,14 +71,14 @@ def test_classification_follows_000s_table(exc: BaseException, transient: bool) 
 def test_transient_delivery_steps(receive_count: int, action: Action, delay: float) -> None:
     """Transient after in-process retries: receive count 1 → 5 min, 2 → 30 min, 3 → failed, left for the DLQ."""
     failure = MATCHING.apply(Failure.of(Code.UPSTREAM_UNAVAILABLE))
-    assert policy.delivery_decision(failure, receive_count, 3, random.Random(1)) == policy.Delivery(action, delay)
+    assert delivery_decision(failure, receive_count) == policy.Delivery(action, delay)
 
 
 @pytest.mark.parametrize("receive_count", [1, 2, 3])
 def test_non_transient_fails_on_any_delivery(receive_count: int) -> None:
     """401/403/context window: failed and deleted whatever the receive count."""
     failure = MATCHING.apply(Failure.of(Code.AUTH_DENIED))
-    assert policy.delivery_decision(failure, receive_count, 3, random.Random(1)).action is Action.FAILED
+    assert delivery_decision(failure, receive_count).action is Action.FAILED
 
 
 @pytest.mark.parametrize(("receive_count", "retry_after", "delay"), [
@@ -79,7 +86,7 @@ def test_non_transient_fails_on_any_delivery(receive_count: int) -> None:
 def test_retry_after_never_stretches_a_visibility_step(receive_count: int, retry_after: float, delay: float) -> None:
     """000 as written: the steps stay 5 and 30 minutes whatever a server's Retry-After asks."""
     failure = MATCHING.apply(Failure.of(Code.RATE_LIMITED, retry_after=retry_after))
-    assert policy.delivery_decision(failure, receive_count, 3, random.Random(1)).delay == delay
+    assert delivery_decision(failure, receive_count).delay == delay
 
 
 @pytest.mark.parametrize("code", [Code.UPSTREAM_UNAVAILABLE, Code.AUTH_DENIED])
@@ -87,7 +94,7 @@ def test_retry_after_never_stretches_a_visibility_step(receive_count: int, retry
 def test_failed_redelivery_of_a_succeeded_document_is_a_duplicate(code: Code, receive_count: int) -> None:
     """A document already succeeded keeps its result: the failed delivery only ends, never pending or failed."""
     failure = MATCHING.apply(Failure.of(code))
-    decision = policy.delivery_decision(failure, receive_count, 3, random.Random(1), status="succeeded")
+    decision = delivery_decision(failure, receive_count, status="succeeded")
     assert decision == policy.Delivery(Action.DUPLICATE)
 
 
