@@ -149,7 +149,7 @@ class Drain:
     owner: str
     concurrency: int = 8
     batch_size: int = 50
-    lease_seconds: float = 300.0
+    lease_seconds: float = 60.0  # a dead worker's rows come back within a minute; the heartbeat extends every 20 s
     linger_seconds: float = 5.0  # wait for work falling due this soon, rather than end the run
     max_seconds: float = 600.0  # a run ends after this; the sensor starts the next round
     max_items: int | None = None
