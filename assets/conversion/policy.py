@@ -87,6 +87,19 @@ def reclaim_outcome(attempt_count: int, max_attempts: int) -> ReclaimOutcome:
     return "fail" if attempt_count >= max_attempts else "requeue"
 
 
+def claim_ahead(concurrency: int, turn_seconds: float, job_seconds: float) -> int:
+    """Leases claimed beyond WORKER_CONCURRENCY, so a slot that frees starts its next job at once (issue 14).
+
+    A slot's next lease otherwise waits for the turn that writes its result: ``turn_seconds`` (the
+    statement, the publish, the COMMIT's fsync) on every job. During one turn about
+    ``concurrency × turn / job`` slots free; that many leases wait ready, at most a quarter of the slots.
+    Long jobs make it 0: a claimed job never waits long for a slot while another worker could run it.
+    """
+    if concurrency < 4 or job_seconds <= 0 or not math.isfinite(turn_seconds / job_seconds):
+        return 0
+    return max(0, min(concurrency // 4, math.floor(concurrency * turn_seconds / job_seconds)))
+
+
 LOST_LEASE = Failure.of(Code.UNKNOWN, message="the worker was lost on every attempt (lease expired)")
 """The failure recorded for a job whose last attempt's lease expired."""
 
