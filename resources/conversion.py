@@ -84,6 +84,7 @@ class ConversionResource(ConfigurableResource):
     worker_lease_ttl_sec: float = 90
     worker_lease_extend_sec: float = 30
     worker_concurrency: int = 4
+    worker_runs: int = 1
     worker_idle_sleep_sec: float = 1.5
     worker_idle_exit_sec: float = 10
     worker_max_run_sec: float = 600

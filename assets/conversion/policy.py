@@ -115,22 +115,24 @@ class Dispatch:
     reason: str = ""
 
 
-def dispatch(*, due: int, in_flight: int, concurrency: int, breaker_open: bool, probe_due: bool) -> Dispatch:
-    """Worker runs while there is due work and the breaker is closed, never more than WORKER_CONCURRENCY in flight.
+def dispatch(*, due: int, in_flight: int, max_runs: int, per_run: int, breaker_open: bool,
+             probe_due: bool) -> Dispatch:
+    """Worker runs while there is due work and the breaker is closed: never more than WORKER_RUNS runs in flight,
+    and no more runs than the due jobs fill, each run holding ``per_run`` (WORKER_CONCURRENCY) jobs in flight.
 
     While the breaker is open nothing is dispatched (003 §3.3); one probe run is requested once its
     cooldown has passed, so the breaker closes by itself when the gateway recovers.
     """
     if breaker_open:
-        if probe_due and in_flight < concurrency:
+        if probe_due and in_flight < max_runs:
             return Dispatch(probe=True, reason="breaker open: probing the gateway")
         return Dispatch(reason="breaker open: jobs stay queued until a health probe succeeds")
     if due <= 0:
         return Dispatch(reason="no due conversion job")
-    free = max(0, concurrency - in_flight)
+    free = max(0, max_runs - in_flight)
     if free == 0:
-        return Dispatch(reason=f"{in_flight} worker runs in flight (WORKER_CONCURRENCY={concurrency})")
-    return Dispatch(worker_runs=min(free, due), reason=f"{due} due jobs")
+        return Dispatch(reason=f"{in_flight} worker runs in flight (WORKER_RUNS={max_runs})")
+    return Dispatch(worker_runs=min(free, math.ceil(due / max(1, per_run))), reason=f"{due} due jobs")
 
 
 def scaled_seconds(seconds: float, time_scale: float) -> float:
