@@ -15,8 +15,9 @@ interleaved round by round (medians of BENCH_CONVERSION_ROUNDS, so a shared mach
 - **pgbench minimal**: ``n`` clients running the least a SKIP LOCKED queue can do per job (claim one row,
   mark it done, each its own transaction) on a two-column table: the ceiling for this server.
 
-The 200 ms case puts a delaying HTTP server in front of both: one redrive process with
-WORKER_CONCURRENCY=32 against pgqueuer in one async process holding 32 jobs at most in flight.
+The 200 ms case puts a delaying HTTP server (an asyncio process of its own) in front of both: one redrive
+process with WORKER_CONCURRENCY=32 against pgqueuer in one async process holding 32 jobs at most in flight,
+and beside them the server's own ceiling: a plain client, 32 threads on one httpx pool, no queue at all.
 """
 
 from __future__ import annotations
@@ -457,7 +458,7 @@ class Bench:
 def run(url: str) -> tuple[dict[int, dict[str, float]], dict[str, float]]:
     ctx = Bench(url)
     noop: dict[int, dict[str, list[float]]] = {n: {c: [] for c in CONTENDERS} for n in WORKERS}
-    slow: dict[str, list[float]] = {"redrive": [], "pgqueuer": []}
+    slow: dict[str, list[float]] = {"redrive": [], "pgqueuer": [], "ceiling": []}
     gateway = DelayingGateway(GATEWAY_DELAY)
     try:
         for r in range(ROUNDS):
@@ -468,12 +469,13 @@ def run(url: str) -> tuple[dict[int, dict[str, float]], dict[str, float]]:
                 noop[n]["pgbench"].append(pgbench_rate(ctx, n))
                 print(f"  round {r + 1}, {n} worker(s): " + ", ".join(f"{c} {noop[n][c][-1]:.0f}" for c in CONTENDERS),
                       flush=True)
+            slow["ceiling"].append(gateway_ceiling(gateway.url))
             slow["redrive"].append(redrive_rate(ctx, 1, concurrency=GATEWAY_IN_FLIGHT, gateway_url=gateway.url,
                                                 jobs=GATEWAY_JOBS))
             slow["pgqueuer"].append(pgqueuer_rate(ctx, 1, gateway_url=gateway.url, max_tasks=GATEWAY_IN_FLIGHT,
                                                   jobs=GATEWAY_JOBS))
-            print(f"  round {r + 1}, 200 ms gateway: redrive {slow['redrive'][-1]:.0f}, "
-                  f"pgqueuer {slow['pgqueuer'][-1]:.0f}", flush=True)
+            print(f"  round {r + 1}, 200 ms gateway: plain client {slow['ceiling'][-1]:.0f}, "
+                  f"redrive {slow['redrive'][-1]:.0f}, pgqueuer {slow['pgqueuer'][-1]:.0f}", flush=True)
     finally:
         gateway.close()
         ctx.close()
@@ -495,7 +497,9 @@ def main() -> int:
               f"{m['redrive'] / m['pgbench']:>9.2f}")
     print(f"{GATEWAY_DELAY * 1000:.0f} ms gateway, {GATEWAY_JOBS} jobs, one process, {GATEWAY_IN_FLIGHT} in flight: "
           f"redrive {slow['redrive']:.0f}, pgqueuer {slow['pgqueuer']:.0f}, ratio {slow['redrive'] / slow['pgqueuer']:.2f} "
-          f"(target >= {0.8 * GATEWAY_IN_FLIGHT / GATEWAY_DELAY:.0f})")
+          f"(target >= {0.8 * GATEWAY_IN_FLIGHT / GATEWAY_DELAY:.0f}); the gateway's own ceiling for a plain client with "
+          f"{GATEWAY_IN_FLIGHT} threads: {slow['ceiling']:.0f} (ideal {GATEWAY_IN_FLIGHT / GATEWAY_DELAY:.0f}), "
+          f"redrive / ceiling {slow['redrive'] / slow['ceiling']:.2f}")
     return 0
 
 
