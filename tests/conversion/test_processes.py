@@ -209,10 +209,10 @@ def test_four_workers_two_thousand_jobs_with_a_kill_and_a_pause(engine, files, s
     paused = spawn("w-paused", paused_gateway.url, until_idle=60, WORKER_CONCURRENCY=4)
     others = [spawn("w-3", direct, WORKER_CONCURRENCY=4), spawn("w-4", direct, WORKER_CONCURRENCY=4)]
 
-    killed_jobs = wait_for(holding(engine, "w-doomed", 3), 60, "w-doomed to hold several leases")
+    killed_jobs = wait_for(holding(engine, "w-doomed", 3), 180, "w-doomed to hold several leases")
     doomed.signal(signal.SIGKILL)
     assert doomed.wait(10) == -signal.SIGKILL
-    paused_jobs = wait_for(holding(engine, "w-paused", 3), 60, "w-paused to hold several leases")
+    paused_jobs = wait_for(holding(engine, "w-paused", 3), 180, "w-paused to hold several leases")
     paused.signal(signal.SIGSTOP)
     paused_gateway.delay = 0.0  # once resumed, it works at full speed
     wait_for(lambda: all(job(engine, j).status == "succeeded" for j in paused_jobs), 60,
