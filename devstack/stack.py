@@ -39,7 +39,7 @@ run_coordinator:
     tag_concurrency_limits:
       - key: redrive/pipeline
         value: conversion
-        limit: 4
+        limit: 1
 # As dagster.yaml.example: only infrastructure failures re-run a run, never a dead-lettered or deferred one.
 run_retries:
   enabled: true

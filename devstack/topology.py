@@ -62,7 +62,7 @@ SERVICES: tuple[Service, ...] = (
                                "--port", "{api_port}"),
             "the conversion HTTP API, its page and /metrics (003)", "/healthz"),
     Service("conversion-worker", ("redrive", "worker", "conversion"),
-            "claims and converts PDF jobs until SIGTERM; run as many as WORKER_CONCURRENCY asks (003 §3.4)"),
+            "claims and converts PDF jobs until SIGTERM; WORKER_CONCURRENCY jobs in flight each (003 §3.4)"),
     Service("metrics", ("redrive", "metrics", "serve", "--host", "{host}", "--port", "{metrics_port}"),
             "Prometheus /metrics of every pipeline, read from PostgreSQL at each scrape (issue 16 §3)", "/metrics"),
 )

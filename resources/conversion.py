@@ -33,15 +33,27 @@ def endpoint(base_url: str, name: str) -> httpx.URL:
     return base.copy_with(path=base.path.rstrip("/") + "/" + name.lstrip("/"))
 
 
-class HttpGateway:
-    """One pooled HTTP client per worker; every call bounded by GATEWAY_TIMEOUT_MS."""
+def pool_limits(in_flight: int) -> httpx.Limits:
+    """Connections for ``in_flight`` concurrent calls and a probe, never fewer than httpx's defaults."""
+    keep = max(20, in_flight + 1)
+    return httpx.Limits(max_connections=max(100, keep), max_keepalive_connections=keep)
 
-    def __init__(self, base_url: str, timeout_seconds: float, *, health_timeout_seconds: float = 5.0) -> None:
+
+class HttpGateway:
+    """One pooled HTTP client per worker; every call bounded by GATEWAY_TIMEOUT_MS.
+
+    ``in_flight`` is how many calls the worker makes at once (WORKER_CONCURRENCY): the pool keeps that
+    many connections alive, plus one for the health probe. httpx keeps 20 by default, so at 32 in flight
+    12 connections were closed after every call and opened again for the next (issue 14).
+    """
+
+    def __init__(self, base_url: str, timeout_seconds: float, *, in_flight: int = 1,
+                 health_timeout_seconds: float = 5.0) -> None:
         self.base_url = base_url
         self._convert, self._health = endpoint(base_url, "convert"), endpoint(base_url, "health")
         self.timeout_seconds = timeout_seconds
         self._health_timeout = min(health_timeout_seconds, timeout_seconds)
-        self._http = httpx.Client(timeout=timeout_seconds)
+        self._http = httpx.Client(timeout=timeout_seconds, limits=pool_limits(in_flight))
 
     def convert(self, pdf: bytes) -> bytes:
         response = self._http.post(self._convert, content=pdf,
@@ -72,6 +84,7 @@ class ConversionResource(ConfigurableResource):
     worker_lease_ttl_sec: float = 90
     worker_lease_extend_sec: float = 30
     worker_concurrency: int = 4
+    worker_runs: int = 1
     worker_idle_sleep_sec: float = 1.5
     worker_idle_exit_sec: float = 10
     worker_max_run_sec: float = 600
@@ -94,4 +107,5 @@ class ConversionResource(ConfigurableResource):
         return {**{k: getattr(self, k) for k in type(self).model_fields}, "gateway_url": self.gateway_url}
 
     def gateway(self, timeout_ms: float | None = None) -> HttpGateway:
-        return HttpGateway(self.gateway_url, (timeout_ms or self.gateway_timeout_ms) / 1000)
+        return HttpGateway(self.gateway_url, (timeout_ms or self.gateway_timeout_ms) / 1000,
+                           in_flight=self.worker_concurrency)

@@ -37,7 +37,8 @@ def conversion_worker_sensor(minimum_interval_seconds: int = 15) -> dg.SensorDef
         in_flight = context.instance.get_runs_count(
             filters=dg.RunsFilter(tags=TAGS, statuses=IN_FLIGHT))
         decision = policy.dispatch(
-            due=due, in_flight=in_flight, concurrency=settings.worker_concurrency, breaker_open=state.is_open,
+            due=due, in_flight=in_flight, max_runs=settings.worker_runs, per_run=settings.worker_concurrency,
+            breaker_open=state.is_open,
             probe_due=breaker.probe_due(state, now, settings.breaker_policy(runtime.time_scale)))
         # Run keys count requests: the cursor, or the number of conversion runs the instance has ever seen if
         # that is higher (a reset cursor must not reuse keys Dagster already launched, or no run would start).

@@ -4,7 +4,7 @@ A worker run is the same :class:`~assets.conversion.worker.Worker` loop as ``red
 conversion``: it drains the due jobs and ends after WORKER_IDLE_EXIT_SEC with nothing to claim, and
 the ``conversion_workers`` sensor starts more while there is due work and the breaker is closed.
 Every run of these jobs is tagged ``redrive/pipeline=conversion``, which the instance's
-``tag_concurrency_limits`` cap at WORKER_CONCURRENCY (see the conversion section of README.md).
+``tag_concurrency_limits`` cap at WORKER_RUNS, each run WORKER_CONCURRENCY jobs in flight (see the conversion section of README.md).
 Re-running any of them is safe: a worker only ever takes jobs through the fenced claim, a probe only
 probes when one is due, and a replay only requeues a job that is still ``failed``.
 """
@@ -143,7 +143,7 @@ def requeue_failed_job(context: dg.OpExecutionContext, config: ReplayConfig, rel
 
 @dg.job(tags=TAGS)
 def conversion_worker_job() -> None:
-    """A conversion worker: drains due PDF-to-XML jobs (at most WORKER_CONCURRENCY of these run at once)."""
+    """A conversion worker: drains due PDF-to-XML jobs (at most WORKER_RUNS of these run at once)."""
     convert_due_jobs()
 
 

@@ -5,6 +5,7 @@ No I/O and no Dagster here (STYLE §2); the worker, the API and the sensor carry
 
 from __future__ import annotations
 
+import math
 import re
 import unicodedata
 import xml.etree.ElementTree as ET
@@ -86,6 +87,19 @@ def reclaim_outcome(attempt_count: int, max_attempts: int) -> ReclaimOutcome:
     return "fail" if attempt_count >= max_attempts else "requeue"
 
 
+def claim_ahead(concurrency: int, turn_seconds: float, job_seconds: float) -> int:
+    """Leases claimed beyond WORKER_CONCURRENCY, so a slot that frees starts its next job at once (issue 14).
+
+    A slot's next lease otherwise waits for the turn that writes its result: ``turn_seconds`` (the
+    statement, the publish, the COMMIT's fsync) on every job. During one turn about
+    ``concurrency × turn / job`` slots free; that many leases wait ready, at most a quarter of the slots.
+    Long jobs make it 0: a claimed job never waits long for a slot while another worker could run it.
+    """
+    if concurrency < 4 or job_seconds <= 0 or not math.isfinite(turn_seconds / job_seconds):
+        return 0
+    return max(0, min(concurrency // 4, math.floor(concurrency * turn_seconds / job_seconds)))
+
+
 LOST_LEASE = Failure.of(Code.UNKNOWN, message="the worker was lost on every attempt (lease expired)")
 """The failure recorded for a job whose last attempt's lease expired."""
 
@@ -101,19 +115,21 @@ class Dispatch:
     reason: str = ""
 
 
-def dispatch(*, due: int, in_flight: int, concurrency: int, breaker_open: bool, probe_due: bool) -> Dispatch:
-    """Worker runs while there is due work and the breaker is closed, never more than WORKER_CONCURRENCY in flight.
+def dispatch(*, due: int, in_flight: int, max_runs: int, per_run: int, breaker_open: bool,
+             probe_due: bool) -> Dispatch:
+    """Worker runs while there is due work and the breaker is closed: never more than WORKER_RUNS runs in flight,
+    and no more runs than the due jobs fill, each run holding ``per_run`` (WORKER_CONCURRENCY) jobs in flight.
 
     While the breaker is open nothing is dispatched (003 §3.3); one probe run is requested once its
     cooldown has passed, so the breaker closes by itself when the gateway recovers.
     """
     if breaker_open:
-        if probe_due and in_flight < concurrency:
+        if probe_due and in_flight < max_runs:
             return Dispatch(probe=True, reason="breaker open: probing the gateway")
         return Dispatch(reason="breaker open: jobs stay queued until a health probe succeeds")
     if due <= 0:
         return Dispatch(reason="no due conversion job")
-    free = max(0, concurrency - in_flight)
+    free = max(0, max_runs - in_flight)
     if free == 0:
-        return Dispatch(reason=f"{in_flight} worker runs in flight (WORKER_CONCURRENCY={concurrency})")
-    return Dispatch(worker_runs=min(free, due), reason=f"{due} due jobs")
+        return Dispatch(reason=f"{in_flight} worker runs in flight (WORKER_RUNS={max_runs})")
+    return Dispatch(worker_runs=min(free, math.ceil(due / max(1, per_run))), reason=f"{due} due jobs")

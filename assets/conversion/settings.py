@@ -33,8 +33,12 @@ class ConversionSettings(BaseSettings):
         default=30, gt=0, description="(ours) WORKER_LEASE_EXTEND_SEC: extend the lease this often on long jobs.")
     worker_concurrency: int = Field(
         default=4, ge=1, le=256,
-        description="WORKER_CONCURRENCY: jobs in flight per worker (each with its own lease); also the Dagster "
-                    "tag concurrency limit on worker runs.")
+        description="WORKER_CONCURRENCY: jobs in flight per worker, Dagster run or plain process (each with its "
+                    "own lease).")
+    worker_runs: int = Field(
+        default=1, ge=1, le=64,
+        description="(ours) WORKER_RUNS: conversion worker runs Dagster keeps at once (the sensor's cap and the "
+                    "instance's tag limit); jobs in flight under Dagster = WORKER_RUNS × WORKER_CONCURRENCY.")
     worker_db_backoff_max_sec: float = Field(
         default=30, gt=0, description="(ours) WORKER_DB_BACKOFF_MAX_SEC: cap of the wait between turns while the "
                                       "database is unreachable; the worker waits out any outage.")

@@ -56,6 +56,7 @@ from redrive import logs
 from redrive.alerts import Alert
 from redrive.backoff import FullJitter
 from redrive.breaker import CircuitBreaker, Transition, counts_as_failure, prune_if_due, record_call
+from redrive.clock import Clock, SystemClock
 from redrive.deadletters import FinalFailure
 from redrive.failures import Failure
 from redrive.reliability import Reliability
@@ -116,18 +117,22 @@ _RESERVED = logs.STANDARD_ATTRIBUTES
 
 
 class Shutdown:
-    """SIGTERM: stop claiming; the in-flight job has ``grace`` seconds, then :class:`ShutdownNow` is raised.
+    """SIGTERM: stop claiming; the jobs in flight have ``grace`` seconds, then :class:`ShutdownNow` is raised.
 
-    The exception is only raised while the worker is in an interruptible section (reading the source,
-    calling the gateway); during its final database writes the worker is never interrupted, so the
+    The grace is a deadline on ``clock`` (the system clock unless a test gives its own), checked by the
+    worker's wait for its slots — never an alarm: SIGALRM stays the process's (a library or the host
+    program may use it). The exception is only raised while the worker is in an interruptible section
+    (waiting for its slots); during its final database writes the worker is never interrupted, so the
     last status it writes is whole. A second signal cuts the grace short.
     """
 
-    def __init__(self, grace: float) -> None:
+    def __init__(self, grace: float, clock: Clock | None = None) -> None:
         self.grace = grace
         self.event = threading.Event()
+        self._clock: Clock = clock or SystemClock()
+        self._deadline: float | None = None
+        self._cut_short = False
         self._interruptible = False
-        self._deadline_passed = False
         self._installed: dict[int, Any] = {}
 
     @property
@@ -135,7 +140,27 @@ class Shutdown:
         return self.event.is_set()
 
     def request(self) -> None:
+        """Stop claiming and start the grace; asked again, the grace is over at once."""
+        if self.event.is_set():
+            self._cut_short = True
+        else:
+            self._deadline = self._clock.monotonic() + max(0.0, self.grace)
         self.event.set()
+
+    @property
+    def expired(self) -> bool:
+        """The grace ran out (or was cut short): what is still in flight is requeued."""
+        return self._cut_short or (self._deadline is not None and self._clock.monotonic() >= self._deadline)
+
+    def remaining(self) -> float | None:
+        """Seconds of grace left; None while no shutdown was asked for."""
+        if self._deadline is None:
+            return None
+        return 0.0 if self._cut_short else max(0.0, self._deadline - self._clock.monotonic())
+
+    def check(self) -> None:
+        if self.expired:
+            raise ShutdownNow()
 
     def wait(self, seconds: float) -> bool:
         """Sleep up to ``seconds``, waking at once on shutdown; True when shutdown was requested."""
@@ -144,35 +169,21 @@ class Shutdown:
     def install(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> Shutdown:
         for sig in signals:
             self._installed[sig] = signal.signal(sig, self._on_signal)
-        self._installed[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._on_alarm)
         return self
 
     def uninstall(self) -> None:
-        signal.setitimer(signal.ITIMER_REAL, 0)
         for sig, previous in self._installed.items():
             signal.signal(sig, previous)
         self._installed.clear()
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        if self.event.is_set():
-            self._deadline_passed = True
-        self.event.set()
-        if self._deadline_passed or self.grace <= 0:
-            self._deadline_passed = True
-            if self._interruptible:
-                raise ShutdownNow()
-        elif signal.SIGALRM in self._installed:
-            signal.setitimer(signal.ITIMER_REAL, self.grace)
-
-    def _on_alarm(self, signum: int, frame: object) -> None:
-        self._deadline_passed = True
-        if self._interruptible:
+        self.request()
+        if self._interruptible and self.expired:
             raise ShutdownNow()
 
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:
-        if self._deadline_passed:
-            raise ShutdownNow()
+        self.check()
         self._interruptible = True
         try:
             yield
@@ -303,6 +314,21 @@ class Slots:
                 self.busy += 1
             self._todo.put(lease)
 
+    def take_unstarted(self) -> list[repo.Lease]:
+        """The leases no thread has taken yet (claimed ahead), out of the queue."""
+        taken: list[repo.Lease] = []
+        while True:
+            try:
+                lease = self._todo.get_nowait()
+            except queue.Empty:
+                return taken
+            if lease is None:  # a stop marker of close(): not ours to take
+                self._todo.put(None)
+                return taken
+            with self._busy_lock:
+                self.busy -= 1
+            taken.append(lease)
+
     def close(self) -> None:
         """Stop the threads once their current job is done; a later submit starts fresh ones."""
         if self._started:
@@ -393,6 +419,8 @@ class Worker:
         self.in_flight: dict[tuple[str, int], repo.Lease] = {}
         self.abandoned: set[tuple[str, int]] = set()
         self._unwritten: list[Attempt] = []
+        self._turn_seconds = 0.0  # moving averages of a turn's writes and of a job's attempt, for claim_ahead
+        self._job_seconds = 0.0
         self._last_reclaim: float | None = None
         self._held_logged = False
         self._outage_logged_at: float | None = None
@@ -414,14 +442,13 @@ class Worker:
         try:
             while True:
                 now = self.clock.monotonic()
-                claiming = not self.shutdown.requested
-                if max_seconds is not None and now - started >= max_seconds:
-                    claiming = False
-                if max_jobs is not None and self.report.claimed >= max_jobs:
-                    claiming = False
+                stopping = self.shutdown.requested or (max_seconds is not None and now - started >= max_seconds)
+                claiming = not stopping and (max_jobs is None or self.report.claimed < max_jobs)
                 if not claiming and not self.in_flight and not self._unwritten:
                     break
                 try:
+                    if stopping:  # 003 §3.5: finish what is in flight; what was claimed ahead goes back now
+                        self._give_back(self.slots.take_unstarted())
                     state = self.turn(claim=claiming, limit=None if max_jobs is None
                                       else max(0, max_jobs - self.report.claimed))
                 except Exception as exc:  # noqa: BLE001 - the database is away: wait it out, never die of it
@@ -454,13 +481,18 @@ class Worker:
         return self.report
 
     def turn(self, *, claim: bool = True, limit: int | None = None) -> Literal["busy", "idle", "held"]:
-        """Write what finished, claim for the free slots, then wait for the next job to finish (if any is in flight)."""
+        """Write what finished, claim for the free slots (and a few ahead), then wait for the next job to finish."""
         self.maybe_reclaim()
         finished = self._unwritten + self._collect(block=False)
-        free = self.settings.worker_concurrency - len(self.in_flight) + len(finished)
+        self._measure_jobs(finished)
+        ahead = policy.claim_ahead(self.settings.worker_concurrency, self._turn_seconds, self._job_seconds)
+        free = self.settings.worker_concurrency + ahead - len(self.in_flight) + len(finished)
         want = max(0, min(free, limit if limit is not None else free)) if claim else 0
         self._unwritten = list(finished)  # a copy: _write removes what it wrote from the retry list
+        started = time.perf_counter()  # a measurement for claim_ahead, not a decision on time: the real clock
         claimed = self._write(finished, want)
+        if finished or claimed:
+            self._turn_seconds = _ewma(self._turn_seconds, time.perf_counter() - started)
         self._unwritten = []
         if claimed:
             self._start(claimed)
@@ -498,6 +530,20 @@ class Worker:
         self.keeper.hold(leases)
         self.slots.submit(leases)
 
+    def _measure_jobs(self, finished: Sequence[Attempt]) -> None:
+        for attempt in finished:
+            self._job_seconds = _ewma(self._job_seconds, attempt.duration_ms / 1000)
+
+    def _give_back(self, leases: Sequence[repo.Lease]) -> None:
+        """Claimed ahead, never started: back to ``queued`` with their attempt, as a shutdown requeue does."""
+        for lease in leases:
+            self.keeper.release([lease.job_id])
+            self.in_flight.pop((lease.job_id, lease.epoch), None)
+            try:
+                self.requeue(lease, "not started")
+            except Exception:  # noqa: BLE001 - the database is away: the lease expires and the reclaim takes it over
+                self.log("requeue_error", job_id=lease.job_id, level=logging.ERROR)
+
     def _collect(self, *, block: bool) -> list[Attempt]:
         """Attempts the slots finished: wait for one if ``block`` (interruptible by the shutdown grace), then
         take every other one already there — a turn writes them together (group commit)."""
@@ -505,10 +551,12 @@ class Worker:
         if block:
             with self.shutdown.interruptible():
                 while True:
+                    grace = self.shutdown.remaining()
                     try:
-                        out.append(self.slots.finished.get(timeout=0.5))
+                        out.append(self.slots.finished.get(timeout=0.5 if grace is None else min(0.5, grace)))
                         break
                     except queue.Empty:
+                        self.shutdown.check()  # the grace ran out: requeue what is still in flight
                         if self.slots.idle() and self.in_flight:
                             self._orphaned()
                             return out
@@ -888,6 +936,7 @@ class Worker:
 
     def _abandon(self, reason: str) -> None:
         """The loop is cut short: write what already finished, requeue what is still in flight (003 §3.5)."""
+        self.slots.take_unstarted()  # claimed ahead: no slot starts them now; requeued below with the rest
         try:
             finished = self._unwritten + self._collect(block=False)
             self._unwritten = []
@@ -925,6 +974,10 @@ class Worker:
                  write=write, level=logging.WARNING)
 
 
+def _ewma(average: float, sample: float, weight: float = 0.2) -> float:
+    return sample if average <= 0 else average + weight * (sample - average)
+
+
 def _ms(start: float) -> float:
     return round((time.perf_counter() - start) * 1000, 1)
 
@@ -950,7 +1003,8 @@ def build_worker(settings: ConversionSettings | None = None, *, worker_id: str |
     conv = settings or ConversionSettings()
     core = core.model_copy(update={"database_url": resolve_database_url(core)})
     reliability = build_resources(core)["reliability"].runtime()
-    gateway = HttpGateway(conv.gateway_base_url(core), conv.gateway_timeout_ms / 1000)
+    gateway = HttpGateway(conv.gateway_base_url(core), conv.gateway_timeout_ms / 1000,
+                          in_flight=conv.worker_concurrency)
     shutdown = Shutdown(conv.worker_shutdown_grace_sec)
     wid = worker_id or new_worker_id()
     return Worker(reliability, gateway, FileStore(conv.uploads_dir, conv.results_dir), conv, worker_id=wid,

@@ -25,17 +25,20 @@ from redrive.settings import PROJECT_ROOT
 
 
 class SlowGateway:
-    """A local HTTP server in front of the sandbox's /pdf/v1 that waits ``delay`` seconds before forwarding."""
+    """A local HTTP server in front of the sandbox's /pdf/v1 that waits ``delay`` seconds (and its gate) before forwarding."""
 
     def __init__(self, upstream: str, delay: float) -> None:
         self.upstream = upstream.rstrip("/")
         self.delay = delay
+        self.gate = threading.Event()  # cleared by a test: calls wait (up to 4 min) until it is set again
+        self.gate.set()
         gateway = self
 
         class Handler(BaseHTTPRequestHandler):
             def _forward(self, method: str) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 time.sleep(gateway.delay)
+                gateway.gate.wait(240)
                 answer = httpx.request(method, f"{gateway.upstream}{self.path.removeprefix('/pdf/v1')}",
                                        content=body or None, timeout=30)
                 self.send_response(answer.status_code)

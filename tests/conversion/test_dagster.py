@@ -39,14 +39,21 @@ def sensor_requests(defs, instance) -> list[dg.RunRequest]:
 
 
 def test_dispatch_policy_table() -> None:
-    """Workers only while due work and a closed breaker; never more than WORKER_CONCURRENCY in flight; probe when open."""
-    assert dispatch(due=0, in_flight=0, concurrency=4, breaker_open=False, probe_due=False).worker_runs == 0
-    assert dispatch(due=2, in_flight=0, concurrency=4, breaker_open=False, probe_due=False).worker_runs == 2
-    assert dispatch(due=50, in_flight=1, concurrency=4, breaker_open=False, probe_due=False).worker_runs == 3
-    assert dispatch(due=50, in_flight=4, concurrency=4, breaker_open=False, probe_due=False).worker_runs == 0
-    held = dispatch(due=50, in_flight=0, concurrency=4, breaker_open=True, probe_due=False)
+    """Workers only while due work and a closed breaker; never more than WORKER_RUNS runs, nor more runs than the
+    due jobs fill at WORKER_CONCURRENCY each (runs × concurrency in flight, not concurrency²); probe when open."""
+    def runs(due: int, in_flight: int, max_runs: int = 4, per_run: int = 4) -> int:
+        return dispatch(due=due, in_flight=in_flight, max_runs=max_runs, per_run=per_run, breaker_open=False,
+                        probe_due=False).worker_runs
+
+    assert runs(due=0, in_flight=0) == 0
+    assert runs(due=2, in_flight=0) == 1  # one run holds both in flight
+    assert runs(due=9, in_flight=0) == 3  # 4 + 4 + 1
+    assert runs(due=50, in_flight=1) == 3
+    assert runs(due=50, in_flight=4) == 0
+    assert runs(due=50, in_flight=0, max_runs=1, per_run=32) == 1
+    held = dispatch(due=50, in_flight=0, max_runs=4, per_run=4, breaker_open=True, probe_due=False)
     assert (held.worker_runs, held.probe) == (0, False) and "breaker open" in held.reason
-    assert dispatch(due=50, in_flight=0, concurrency=4, breaker_open=True, probe_due=True).probe
+    assert dispatch(due=50, in_flight=0, max_runs=4, per_run=4, breaker_open=True, probe_due=True).probe
 
 
 def test_sensor_requests_workers_for_due_work_and_a_run_drains_the_queue(conv_defs, instance, engine, submit) -> None:
@@ -54,7 +61,7 @@ def test_sensor_requests_workers_for_due_work_and_a_run_drains_the_queue(conv_de
     assert sensor_requests(conv_defs, instance) == []
     ids = [submit() for _ in range(3)]
     requests = sensor_requests(conv_defs, instance)
-    assert [r.run_key for r in requests] == ["conversion:worker:1", "conversion:worker:2", "conversion:worker:3"]
+    assert [r.run_key for r in requests] == ["conversion:worker:1"]  # WORKER_RUNS=1; its 4 slots hold all three
     assert all(r.tags["redrive/pipeline"] == "conversion" for r in requests)
     result = launch(conv_defs, instance, requests[0])
     assert result.success
@@ -90,23 +97,31 @@ def test_sensor_holds_while_the_breaker_is_open_and_asks_for_a_probe(conv_defs, 
     assert [r.job_name for r in sensor_requests(conv_defs, instance)] == ["conversion_worker_job"]
 
 
-def test_sensor_counts_conversion_runs_in_flight_against_worker_concurrency(conv_defs, instance, submit) -> None:
-    """With WORKER_CONCURRENCY (4) conversion runs not finished yet, the sensor asks for none."""
+def test_sensor_counts_conversion_runs_in_flight_against_worker_runs(conv_defs, instance, submit, monkeypatch,
+                                                                    scaled_settings) -> None:
+    """With WORKER_RUNS=3 and WORKER_CONCURRENCY=4: 10 due jobs fill three runs; with two runs not finished yet the
+    sensor asks for one more, with three for none."""
+    from orchestration.definitions import build_definitions
+
+    monkeypatch.setenv("WORKER_RUNS", "3")  # on top of conv_defs' knobs, still set
+    monkeypatch.setenv("WORKER_CONCURRENCY", "4")
+    defs = build_definitions(scaled_settings)
     for _ in range(10):
         submit()
-    job_def = conv_defs.resolve_job_def("conversion_worker_job")
-    for _ in range(3):
+    job_def = defs.resolve_job_def("conversion_worker_job")
+    assert len(sensor_requests(defs, instance)) == 3
+    for _ in range(2):
         instance.create_run_for_job(job_def, tags=pipeline.TAGS, status=dg.DagsterRunStatus.NOT_STARTED)
-    assert len(sensor_requests(conv_defs, instance)) == 1
+    assert len(sensor_requests(defs, instance)) == 1
     instance.create_run_for_job(job_def, tags=pipeline.TAGS, status=dg.DagsterRunStatus.STARTED)
-    assert sensor_requests(conv_defs, instance) == []
+    assert sensor_requests(defs, instance) == []
 
 
-def test_worker_concurrency_is_the_instance_tag_limit_on_every_conversion_job() -> None:
-    """dagster.yaml limits runs tagged redrive/pipeline=conversion to WORKER_CONCURRENCY; all our jobs carry the tag."""
+def test_worker_runs_is_the_instance_tag_limit_on_every_conversion_job() -> None:
+    """dagster.yaml limits runs tagged redrive/pipeline=conversion to WORKER_RUNS; all our jobs carry the tag."""
     limits = yaml.safe_load(DAGSTER_YAML)["run_coordinator"]["config"]["tag_concurrency_limits"]
     [limit] = [lim for lim in limits if lim["key"] == "redrive/pipeline" and lim["value"] == "conversion"]
-    assert limit["limit"] == ConversionSettings().worker_concurrency
+    assert limit["limit"] == ConversionSettings().worker_runs
     for job_def in (pipeline.conversion_worker_job, pipeline.conversion_breaker_probe_job,
                     pipeline.conversion_replay_job):
         assert job_def.tags["redrive/pipeline"] == "conversion"

@@ -133,3 +133,13 @@ def test_breaker_cooldown_is_a_wait_the_time_scale_shrinks() -> None:
     knobs = ConversionSettings(circuit_cooldown_ms=30000)
     assert knobs.breaker_policy().cooldown == 30.0
     assert knobs.breaker_policy(0.01).cooldown == pytest.approx(0.3)
+
+
+def test_claim_ahead_covers_the_slots_that_free_during_one_turn() -> None:
+    """Leases claimed beyond WORKER_CONCURRENCY: about concurrency × turn / job, at most a quarter of the slots,
+    none for long jobs, small workers or before anything was measured."""
+    assert policy.claim_ahead(32, turn_seconds=0.036, job_seconds=0.24) == 4
+    assert policy.claim_ahead(32, turn_seconds=0.005, job_seconds=0.001) == 8  # instant jobs: capped at a quarter
+    assert policy.claim_ahead(32, turn_seconds=0.03, job_seconds=30.0) == 0  # a claimed job never waits a whole call
+    assert policy.claim_ahead(2, turn_seconds=0.03, job_seconds=0.001) == 0
+    assert policy.claim_ahead(32, turn_seconds=0.0, job_seconds=0.0) == 0  # nothing measured yet

@@ -1,5 +1,7 @@
 """Worker processes under real signals: SIGTERM, SIGKILL and SIGSTOP/SIGCONT against PostgreSQL and the sandbox.
 
+Waits for a worker to claim allow 120 s: a worker process starts in seconds, but much slower on a loaded machine.
+
 Leases are 2 s here (WORKER_LEASE_TTL_SEC), so a lost worker is noticed in seconds, not minutes.
 """
 
@@ -63,6 +65,22 @@ def held_by(engine: sa.Engine, worker: str) -> str | None:
             repo.conversion_jobs.c.status == "processing", repo.conversion_jobs.c.leased_by == worker)).scalar()
 
 
+def held_all(engine: sa.Engine, worker: str) -> set[str]:
+    with engine.connect() as conn:
+        return {str(i) for i in conn.execute(sa.select(repo.conversion_jobs.c.id).where(
+            repo.conversion_jobs.c.status == "processing", repo.conversion_jobs.c.leased_by == worker)).scalars()}
+
+
+def holding(engine: sa.Engine, worker: str, at_least: int) -> Callable[[], set[str] | None]:
+    """A wait_for predicate: the worker's leases once it holds ``at_least`` of them (several jobs in flight)."""
+
+    def check() -> set[str] | None:
+        held = held_all(engine, worker)
+        return held if len(held) >= at_least else None
+
+    return check
+
+
 def queue_real_time(engine: sa.Engine, files, n: int, owner: str = "alice") -> list[str]:
     """Jobs created on the system clock (these workers run on it), one PDF each with its own text."""
     clock = SystemClock()
@@ -104,7 +122,7 @@ def test_sigterm_mid_call_finishes_the_jobs_in_flight_and_claims_nothing_more(en
         now_held = held()
         return now_held if len(now_held) == 2 else None
 
-    in_flight = wait_for(two_held, 30, "the worker to hold two leases")
+    in_flight = wait_for(two_held, 120, "the worker to hold two leases")
     worker.signal(signal.SIGTERM)
     assert worker.wait(30) == 0
     assert {j for j in ids if job(engine, j).status == "succeeded"} == in_flight
@@ -119,7 +137,7 @@ def test_sigterm_past_the_grace_requeues_cleanly(engine, files, slow, spawn) -> 
     [only] = queue_real_time(engine, files, 1)
     gateway = slow(5.0)
     worker = spawn("w-grace", gateway.url, WORKER_SHUTDOWN_GRACE_SEC=0.3)
-    wait_for(lambda: held_by(engine, "w-grace") == only, 30, "the worker to claim the job")
+    wait_for(lambda: held_by(engine, "w-grace") == only, 120, "the worker to claim the job")
     worker.signal(signal.SIGTERM)
     assert worker.wait(30) == 0
     requeued = job(engine, only)
@@ -134,44 +152,51 @@ def test_a_long_job_keeps_its_lease_and_is_not_taken_over(engine, files, slow, s
     [only] = queue_real_time(engine, files, 1)
     gateway = slow(3.5)
     long_runner = spawn("w-long", gateway.url)
-    wait_for(lambda: held_by(engine, "w-long") == only, 30, "the worker to claim the job")
+    wait_for(lambda: held_by(engine, "w-long") == only, 120, "the worker to claim the job")
     rival = spawn("w-rival", direct)  # reclaims any expired lease it sees
-    wait_for(lambda: job(engine, only).status == "succeeded", 30, "the long job to complete")
+    wait_for(lambda: job(engine, only).status == "succeeded", 120, "the long job to complete")
     assert long_runner.wait(30) == 0 and rival.wait(30) == 0
     assert events(engine, only) == ["queued", "processing", "complete"]
     assert len(log_events(long_runner, "lease_extended")) >= 4
 
 
-def test_a_paused_worker_past_its_lease_has_its_late_completion_refused(engine, files, slow, spawn, direct,
-                                                                        conv_settings) -> None:
-    """SIGSTOP mid-call past the lease: another worker takes over and completes; after SIGCONT the late write is refused."""
-    [only] = queue_real_time(engine, files, 1)
+def test_a_paused_worker_past_its_lease_has_its_late_completions_refused(engine, files, slow, spawn, direct,
+                                                                         conv_settings) -> None:
+    """SIGSTOP with four jobs in flight, past the lease: another worker takes all four over and completes them;
+    after SIGCONT each late completion is refused, and each job keeps one result, the taker's."""
+    ids = queue_real_time(engine, files, 4)
     gateway = slow(1.0)
-    paused = spawn("w-paused", gateway.url, until_idle=30)
-    wait_for(lambda: held_by(engine, "w-paused") == only, 30, "the first worker to claim the job")
+    paused = spawn("w-paused", gateway.url, until_idle=30, WORKER_CONCURRENCY=4)
+    assert wait_for(holding(engine, "w-paused", 4), 120, "the first worker to hold four leases") == set(ids)
     paused.signal(signal.SIGSTOP)
-    taker = spawn("w-taker", direct)
-    wait_for(lambda: job(engine, only).status == "succeeded", 30, "the second worker to take over and complete")
-    taken = job(engine, only)
-    assert taken.lease_epoch == 2
-    result = (conv_settings.results_dir / taken.result_location).read_bytes()
+    taker = spawn("w-taker", direct, WORKER_CONCURRENCY=4)
+    wait_for(lambda: all(job(engine, j).status == "succeeded" for j in ids), 120,
+             "the second worker to take over and complete all four")
+    taken = {j: job(engine, j) for j in ids}
+    assert {t.lease_epoch for t in taken.values()} == {2}
+    results = {j: (conv_settings.results_dir / t.result_location).read_bytes() for j, t in taken.items()}
 
     paused.signal(signal.SIGCONT)
-    wait_for(lambda: log_events(paused, "lease_lost_write_refused"), 30, "the late write to be refused")
-    wait_for(lambda: any(e["write"] == "complete" for e in log_events(paused, "lease_lost_write_refused")), 30,
-             "the late completion to be refused")
+
+    def refused_completions() -> set[str] | None:
+        done = {e["job_id"] for e in log_events(paused, "lease_lost_write_refused") if e["write"] == "complete"}
+        return done if done == set(ids) else None
+
+    wait_for(refused_completions, 30, "all four late completions to be refused")
     paused.signal(signal.SIGTERM)
     assert paused.wait(30) == 0 and taker.wait(30) == 0
 
-    after = job(engine, only)
-    assert (after.status, after.lease_epoch, after.result_location) == ("succeeded", 2, taken.result_location)
-    assert (conv_settings.results_dir / after.result_location).read_bytes() == result
-    assert sorted(p.name for p in conv_settings.results_dir.iterdir()) == [f"{only}.xml"]  # no second file, no temp
-    with engine.connect() as conn:
-        fenced = [e for e in repo.events(conn, only) if e["event"] == "fenced"]
-    assert {e["meta"]["write"] for e in fenced} >= {"complete"}
-    assert all(e["meta"]["worker"] == "w-paused" and e["meta"]["epoch"] == 1 for e in fenced)
-    assert events(engine, only).count("complete") == 1
+    assert sorted(p.name for p in conv_settings.results_dir.iterdir()) == sorted(f"{j}.xml" for j in ids)
+    for j in ids:
+        after = job(engine, j)
+        assert (after.status, after.lease_epoch, after.result_location) == ("succeeded", 2, taken[j].result_location)
+        assert (conv_settings.results_dir / after.result_location).read_bytes() == results[j]
+        with engine.connect() as conn:
+            history = repo.events(conn, j)
+        fenced = [e["meta"] for e in history if e["event"] == "fenced"]
+        assert {m["write"] for m in fenced} >= {"complete"}
+        assert all(m["worker"] == "w-paused" and m["epoch"] == 1 for m in fenced)
+        assert [e["meta"]["worker"] for e in history if e["event"] == "complete"] == ["w-taker"]
 
 
 def test_four_workers_two_thousand_jobs_with_a_kill_and_a_pause(engine, files, slow, spawn, direct,
@@ -180,17 +205,18 @@ def test_four_workers_two_thousand_jobs_with_a_kill_and_a_pause(engine, files, s
     (its late completion refused); every job ends `succeeded` with exactly one result, its own."""
     ids = queue_real_time(engine, files, 2000)
     doomed_gateway, paused_gateway = slow(0.5), slow(1.0)
-    doomed = spawn("w-doomed", doomed_gateway.url)
-    paused = spawn("w-paused", paused_gateway.url, until_idle=60)
-    others = [spawn("w-3", direct), spawn("w-4", direct)]
+    doomed = spawn("w-doomed", doomed_gateway.url, WORKER_CONCURRENCY=4)
+    paused = spawn("w-paused", paused_gateway.url, until_idle=60, WORKER_CONCURRENCY=4)
+    others = [spawn("w-3", direct, WORKER_CONCURRENCY=4), spawn("w-4", direct, WORKER_CONCURRENCY=4)]
 
-    killed_job = wait_for(lambda: held_by(engine, "w-doomed"), 60, "w-doomed to hold a lease")
+    killed_jobs = wait_for(holding(engine, "w-doomed", 3), 180, "w-doomed to hold several leases")
     doomed.signal(signal.SIGKILL)
     assert doomed.wait(10) == -signal.SIGKILL
-    paused_job = wait_for(lambda: held_by(engine, "w-paused"), 60, "w-paused to hold a lease")
+    paused_jobs = wait_for(holding(engine, "w-paused", 3), 180, "w-paused to hold several leases")
     paused.signal(signal.SIGSTOP)
     paused_gateway.delay = 0.0  # once resumed, it works at full speed
-    wait_for(lambda: job(engine, paused_job).status == "succeeded", 60, "the paused worker's job to be taken over")
+    wait_for(lambda: all(job(engine, j).status == "succeeded" for j in paused_jobs), 60,
+             "the paused worker's jobs to be taken over")
     paused.signal(signal.SIGCONT)
 
     def all_done() -> bool:
@@ -207,8 +233,8 @@ def test_four_workers_two_thousand_jobs_with_a_kill_and_a_pause(engine, files, s
                                       repo.conversion_jobs.c.source_sha256)).all()
         completes = conn.execute(sa.text(
             "SELECT job_id::text, count(*) FROM conversion_job_events WHERE event = 'complete' GROUP BY 1")).all()
-        killed_events = repo.events(conn, killed_job)
-        paused_events = repo.events(conn, paused_job)
+        killed_events = {j: repo.events(conn, j) for j in killed_jobs}
+        paused_events = {j: repo.events(conn, j) for j in paused_jobs}
     assert {str(r.id) for r in rows} == set(ids)
     assert sorted(n for _, n in completes) == [1] * 2000  # exactly one completion per job
     results = sorted(p.name for p in conv_settings.results_dir.iterdir())
@@ -217,10 +243,108 @@ def test_four_workers_two_thousand_jobs_with_a_kill_and_a_pause(engine, files, s
         head = (conv_settings.results_dir / r.result_location).read_text()[:200]
         assert re.search(r'sha256="([0-9a-f]+)"', head).group(1) == r.source_sha256
 
-    expired = [e for e in killed_events if e["event"] == "expired"]
-    assert expired and expired[0]["meta"]["leased_by"] == "w-doomed"  # the dead worker's lease was reclaimed
-    assert [e["meta"].get("worker") for e in killed_events if e["event"] == "complete"][0] in {"w-paused", "w-3", "w-4"}
-    refused = [e["meta"] for e in paused_events if e["event"] == "fenced"]
-    assert any(m["write"] == "complete" and m["worker"] == "w-paused" for m in refused)
-    assert any(e["write"] == "complete" for e in log_events(paused, "lease_lost_write_refused"))
+    for history in killed_events.values():  # every lease the dead worker held was reclaimed, its job done by another
+        expired = [e for e in history if e["event"] == "expired"]
+        assert expired and expired[0]["meta"]["leased_by"] == "w-doomed"
+        assert [e["meta"].get("worker") for e in history if e["event"] == "complete"][0] in {"w-paused", "w-3", "w-4"}
+    for history in paused_events.values():  # every job paused past its lease: taken over, the late write refused
+        refused = [e["meta"] for e in history if e["event"] == "fenced"]
+        assert refused and all(m["worker"] == "w-paused" for m in refused)
+        assert [e["meta"].get("worker") for e in history if e["event"] == "complete"] in (["w-3"], ["w-4"])
+    late = {e["job_id"] for e in log_events(paused, "lease_lost_write_refused") if e["write"] == "complete"}
+    assert late == paused_jobs
     assert sandbox.count("pdf.convert") >= 2000
+
+
+@pytest.fixture
+def cut_role(engine: sa.Engine) -> Iterator[str]:
+    """A login role of its own for one worker, so a test can refuse it new connections (NOLOGIN) and end its
+    backends — a worker cut off from PostgreSQL while the rest of the system is not."""
+    role = f"conv_cut_{uuid.uuid4().hex[:8]}"
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"CREATE ROLE {role} LOGIN PASSWORD 'cut'"))
+        conn.execute(sa.text(f"GRANT ALL ON ALL TABLES IN SCHEMA public TO {role}"))
+        conn.execute(sa.text(f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role}"))
+    yield role
+    with engine.begin() as conn:
+        conn.execute(sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = :r"), {"r": role})
+        conn.execute(sa.text(f"DROP OWNED BY {role}"))
+        conn.execute(sa.text(f"DROP ROLE {role}"))
+
+
+def as_client(db_url: str, name: str, role: str | None = None) -> str:
+    """The test database's URL with an application_name (to find the backends) and, optionally, another role."""
+    url = sa.engine.make_url(db_url)
+    url = url.update_query_dict({"application_name": name})
+    if role is not None:
+        url = url.set(username=role, password="cut")
+    return url.render_as_string(hide_password=False)
+
+
+def terminate_backends(engine: sa.Engine, *names: str) -> int:
+    with engine.connect() as conn:
+        return len(conn.execute(sa.text(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = ANY(:names)"),
+            {"names": list(names)}).all())
+
+
+def test_backends_terminated_mid_run_lose_nothing_and_refuse_late_completions(
+        engine, files, slow, spawn, conv_settings, sandbox, db_url, cut_role) -> None:
+    """pg_terminate_backend on two workers with four jobs in flight each. w-steady reconnects at once and completes
+    its own four; w-cut may not log in again until its leases expired and w-steady finished its four too, so its
+    late completions are refused. 8 jobs: 0 lost, one completion and one result file each, 12 conversions."""
+    cut_gateway, steady_gateway = slow(0.2), slow(0.2)
+    cut_gateway.gate.clear()  # the calls are held until both workers are cut off, whatever their start-up takes
+    steady_gateway.gate.clear()
+    ids = queue_real_time(engine, files, 4)
+    held_calls = {"WORKER_CONCURRENCY": 4, "GATEWAY_TIMEOUT_MS": 300_000}  # a held call is slow, not timed out
+    cut = spawn("w-cut", cut_gateway.url, until_idle=60, DATABASE_URL=as_client(db_url, "w-cut", cut_role),
+                **held_calls)
+    cut_jobs = wait_for(holding(engine, "w-cut", 4), 120, "w-cut to hold four leases")
+    ids += queue_real_time(engine, files, 4)
+    steady = spawn("w-steady", steady_gateway.url, until_idle=60, DATABASE_URL=as_client(db_url, "w-steady"),
+                   **held_calls)
+    steady_jobs = wait_for(holding(engine, "w-steady", 4), 120, "w-steady to hold four leases")
+    assert cut_jobs | steady_jobs == set(ids)
+
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"ALTER ROLE {cut_role} NOLOGIN"))
+    assert terminate_backends(engine, "w-cut", "w-steady") >= 2  # mid-call: every job of both is in flight
+    cut_gateway.gate.set()
+    steady_gateway.gate.set()
+
+    def all_succeeded() -> bool:
+        with engine.connect() as conn:
+            return repo.status_counts(conn) == {"succeeded": 8}
+
+    wait_for(all_succeeded, 60, "w-steady to complete its own jobs and take over w-cut's")
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"ALTER ROLE {cut_role} LOGIN"))
+
+    def refused() -> set[str] | None:
+        late = {e["job_id"] for e in log_events(cut, "lease_lost_write_refused") if e["write"] == "complete"}
+        return late if late == cut_jobs else None
+
+    wait_for(refused, 60, "w-cut's four late completions to be refused")
+    for w in (cut, steady):
+        w.signal(signal.SIGTERM)
+        assert w.wait(30) == 0
+
+    with engine.connect() as conn:
+        history = {j: repo.events(conn, j) for j in ids}
+        rows = conn.execute(sa.select(repo.conversion_jobs.c.id, repo.conversion_jobs.c.result_location,
+                                      repo.conversion_jobs.c.source_sha256)).all()
+    for j in ids:  # one completion each, by w-steady: its own under its first lease, w-cut's after the reclaim
+        done = [e["meta"] for e in history[j] if e["event"] == "complete"]
+        assert [(m["worker"], m["epoch"]) for m in done] == [("w-steady", 1 if j in steady_jobs else 2)]
+    for j in cut_jobs:
+        assert [e["meta"]["leased_by"] for e in history[j] if e["event"] == "expired"] == ["w-cut"]
+        fenced = [e["meta"] for e in history[j] if e["event"] == "fenced"]
+        assert "complete" in {m["write"] for m in fenced} and all(m["worker"] == "w-cut" for m in fenced)
+    assert sorted(p.name for p in conv_settings.results_dir.iterdir()) == sorted(f"{j}.xml" for j in ids)
+    for r in rows:  # each result is its own document's conversion, written once
+        head = (conv_settings.results_dir / r.result_location).read_text()[:200]
+        assert re.search(r'sha256="([0-9a-f]+)"', head).group(1) == r.source_sha256
+    assert sandbox.count("pdf.convert") == 12  # w-cut's four were converted twice, their results written once
+    for w in (cut, steady):  # both lost their connections and waited the database out
+        assert log_events(w, "worker_stopped")[-1]["db_errors"] >= 1

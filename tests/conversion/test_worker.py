@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import signal
 from datetime import timedelta
 
+import pytest
 import sqlalchemy as sa
 
 from assets.conversion import repository as repo
 from redrive import logs
+from assets.conversion.worker import Shutdown, ShutdownNow
 from redrive.backoff import ExponentialPlusJitter
+from redrive.clock import FrozenClock
 from redrive.schema import dead_letters
 from tests.conversion.conftest import events, job
 
@@ -219,3 +223,31 @@ def test_a_worker_waits_out_a_database_outage_of_minutes_with_capped_backoff(
     assert len(back) == 1 and back[0]["outage_sec"] >= outage
     assert any(h["status"] == "degraded" and h["database"] == "unreachable" for h in seen_health)
     assert json.loads(health_file.read_text())["status"] == "ok"
+
+
+def test_shutdown_grace_is_a_deadline_on_the_clock_and_sigalrm_stays_the_process_s() -> None:
+    """Installing the handler takes SIGTERM and SIGINT only; the grace runs out on the (injected) clock, not on an
+    alarm, and a second request cuts it short."""
+    clock = FrozenClock()
+    previous = signal.getsignal(signal.SIGALRM)
+    installed = Shutdown(5.0, clock).install()
+    try:
+        assert signal.getsignal(signal.SIGALRM) is previous
+        assert signal.getsignal(signal.SIGTERM) == installed._on_signal
+    finally:
+        installed.uninstall()
+    shutdown = Shutdown(5.0, clock)
+    shutdown.check()  # nothing asked: nothing to cut
+    assert shutdown.remaining() is None
+    shutdown.request()
+    assert shutdown.requested and shutdown.remaining() == 5.0
+    clock.advance(4.9)
+    shutdown.check()
+    clock.advance(0.2)
+    with pytest.raises(ShutdownNow):
+        shutdown.check()
+    twice = Shutdown(30.0, clock)
+    twice.request()
+    assert not twice.expired
+    twice.request()
+    assert twice.expired and twice.remaining() == 0.0
