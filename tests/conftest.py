@@ -10,6 +10,7 @@ trick): fresh state in ~100 ms, no test sees another's rows.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,17 @@ from redrive.settings import Settings
 
 _counter = itertools.count()
 logs.install()  # as the code location does: no test log may carry a secret either
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored() -> Iterator[None]:
+    """A command run in-process (CliRunner) sets up the root logger as its process would; the next test starts
+    from the logger as it was, so what one test configured never prints into another's captured output."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
