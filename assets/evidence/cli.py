@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 from uuid import UUID
 
-import sqlalchemy as sa
 import typer
 
 from assets.evidence import repository as repo
 from assets.evidence import service
+from resources.commands import engine, fail
 
 app = typer.Typer(help="evidence file jobs: show, force-n2", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False)
@@ -28,19 +26,8 @@ app = typer.Typer(help="evidence file jobs: show, force-n2", no_args_is_help=Tru
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 
 
-@contextmanager
-def engine() -> Iterator[sa.Engine]:
-    from redrive.db import engine_for
-    from redrive.settings import Settings
-    from resources.postgres import database_session
-
-    with database_session(Settings()) as url:
-        yield engine_for(url)
 
 
-def fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 def job_id_of(value: str) -> UUID:

@@ -12,16 +12,14 @@ are one line, exit 2.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
-import sqlalchemy as sa
 import typer
 
 from assets.matching import repository
 from assets.matching.settings import MatchingSettings
+from resources.commands import engine, fail
 
 app = typer.Typer(help="matching documents: stuck, show, requeue", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False)
@@ -31,19 +29,8 @@ SHOWN = ("id", "tenant", "matching_status", "matching_attempts", "matching_start
          "matching_error", "cluster_id")
 
 
-@contextmanager
-def engine() -> Iterator[sa.Engine]:
-    from redrive.db import engine_for
-    from redrive.settings import Settings
-    from resources.postgres import database_session
-
-    with database_session(Settings()) as url:
-        yield engine_for(url)
 
 
-def fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 def _iso(value: Any) -> Any:

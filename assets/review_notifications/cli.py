@@ -15,18 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
-import sqlalchemy as sa
 import typer
 
 from assets.review_notifications import api, policy, repository
-from redrive.db import engine_for
-from resources.postgres import database_session
-from redrive.settings import Settings
+from resources.commands import engine, fail
 
 app = typer.Typer(help="review notification jobs: create, show, status, waive", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
@@ -35,15 +30,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")
 KNOWN_ERRORS = (policy.InvalidRequest, policy.VersionRegression, repository.UnknownJob)
 
 
-@contextmanager
-def engine() -> Iterator[sa.Engine]:
-    with database_session(Settings()) as url:
-        yield engine_for(url)
 
 
-def fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 @app.command()
