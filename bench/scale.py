@@ -26,6 +26,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,10 +96,15 @@ def _review_handler(runtime: Reliability, resources: Any) -> tuple[dict[str, Any
     from assets.review_notifications.settings import ReviewNotificationSettings
 
     knobs = ReviewNotificationSettings()
-    mail = resources["review_mail"].provider().__enter__()  # held for the benchmark's process lifetime
+    mail = _HELD.enter_context(resources["review_mail"].provider())
     return (pipeline.stage_policies(knobs.job_attempts),
             pipeline.ReviewJobHandler(runtime, mail, row_attempts=knobs.row_attempts))
 
+
+# Clients the direct half holds open for the benchmark's process lifetime. A bare `cm.__enter__()` is
+# not enough: the context manager is garbage the moment it returns, and collecting a generator-based
+# one runs its exit, which closes the HTTP client under the handler (every call then fails).
+_HELD = ExitStack()
 
 EVIDENCE_ROWS_PER_JOB = 200
 
@@ -140,7 +146,7 @@ def _evidence_direct(engine: sa.Engine, sandbox: SandboxClient, session: str, n:
 def _evidence_handler(runtime: Reliability, resources: Any) -> tuple[dict[str, Any], Handler]:
     from assets.evidence import pipeline, worker
 
-    api = resources["case_api"].session().__enter__()  # held for the benchmark's process lifetime
+    api = _HELD.enter_context(resources["case_api"].session())
     return dict(pipeline.ROW_POLICIES), worker.row_handler(runtime, api,
                                                            max_attempts=resources["evidence_options"].max_attempts)
 
