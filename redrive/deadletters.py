@@ -8,7 +8,7 @@ goes in is sanitized here, at the only door, so no caller can forget.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -245,6 +245,23 @@ def replays_pending(conn: sa.Connection, limit: int = 50, started: Mapping[int, 
         query = query.where(~sa.exists().where(pairs.c.id == dead_letters.c.id,
                                               pairs.c.replay_count == dead_letters.c.replay_count))
     rows = conn.execute(query.order_by(dead_letters.c.updated_at, dead_letters.c.id).limit(limit))
+    return [DeadLetter.from_row(r) for r in rows]
+
+
+def reopen_failed_replays(conn: sa.Connection, letter_ids: Sequence[int], *, run_id: str, reason: str,
+                          at: datetime) -> list[DeadLetter]:
+    """A replay run failed before it could settle its letters (its worker was killed, the database went
+    away): the letters it was replaying go back to `open` with a note, so an operator can replay them
+    again. Letters the run did settle (resolved, or recorded failed again) are left as they are."""
+    if not letter_ids:
+        return []
+    note = _note(at, "replay_failed", f"replay run {run_id} failed: {reason}")
+    rows = conn.execute(
+        sa.update(dead_letters)
+        .where(dead_letters.c.id.in_(list(letter_ids)), dead_letters.c.status == REPLAYING)
+        .values(status=OPEN, notes=dead_letters.c.notes.op("||")(note), updated_at=sa.func.now())
+        .returning(*dead_letters.c)
+    )
     return [DeadLetter.from_row(r) for r in rows]
 
 

@@ -112,6 +112,21 @@ def run_failure_alert_sensor(asset_pipelines: Mapping[dg.AssetKey, str] | None =
                     summary=sanitize_text(f"drain run {run.run_id} of {run.job_name} failed at {stage} ({code}); "
                                           f"its {released} leased entities are due again now, none lost")[:400]))
                 return
+        letter_ids = replayed_letters(run.tags)
+        if letter_ids and partition is None:
+            # A replay run of several entities (no partition names them): its letters, not a `run:<id>`
+            # letter nobody could replay, are the record. Those it left replaying are open again.
+            stage, code = _failed_step(context)
+            with runtime.engine.begin() as conn:
+                reopened = deadletters.reopen_failed_replays(conn, letter_ids, run_id=run.run_id,
+                                                             reason=f"{stage} ({code})", at=runtime.now())
+            runtime.alert(Alert(
+                pipeline=pipeline, kind="replay_run_failed", dedupe_key=f"replay_run_failed:{run.run_id}",
+                error_class=code, link=runtime.run_link(run.run_id),
+                summary=sanitize_text(f"replay run {run.run_id} of {run.job_name} failed at {stage} ({code}); "
+                                      f"{len(reopened)} of its {len(letter_ids)} dead letters are open again "
+                                      f"for another replay")[:400]))
+            return
         entity_ref = partition or f"run:{run.run_id}"
         with runtime.engine.connect() as conn:
             letter = deadletters.active_for(conn, pipeline, entity_ref)
@@ -171,6 +186,11 @@ def timer_run_request(pipeline: str, target: ReplayTarget, timer: Timer) -> dg.R
     )
 
 
+def replayed_letters(tags: Mapping[str, str]) -> list[int]:
+    """Pure: the dead letters a replay run replays, from its tag (every id, so a failed run can reopen them)."""
+    return [int(i) for i in tags.get(REPLAY_TAG, "").split(",") if i.strip().isdigit()]
+
+
 def replay_run_request(letter: DeadLetter, target: ReplayTarget) -> dg.RunRequest:
     return dg.RunRequest(
         run_key=run_key(letter.pipeline, letter.entity_ref, replay=letter.replay_count),
@@ -194,7 +214,7 @@ def batch_replay_run_request(pipeline: str, partition: str | None, letters: Sequ
         job_name=target.job_name,
         run_config=target.batch_run_config([letter.entity_ref for letter in letters]),
         partition_key=partition,
-        tags={PIPELINE_TAG: pipeline, REPLAY_TAG: ",".join(str(i) for i, _ in replays)[:200],
+        tags={PIPELINE_TAG: pipeline, REPLAY_TAG: ",".join(str(i) for i, _ in replays),  # all of them: see below
               "redrive/replays": str(len(replays))},
     )
 

@@ -19,7 +19,7 @@ from orchestration.cli import app as redrive_cli
 from redrive.schema import dead_letters
 from sensors.core import should_alert_run_failure
 from tests.conversion.conftest import job
-from tests.dagster_helpers import launch, tick
+from tests.dagster_helpers import evaluate_failure_sensor, launch, tick
 
 
 @pytest.fixture
@@ -199,3 +199,54 @@ def test_replays_of_a_requeue_pipeline_are_batched_and_the_cursor_walks_the_back
     [[request], cursor] = _replay_tick(conv_defs, instance, sensor, cursor)
     assert request.run_config["ops"]["requeue_failed_job"]["config"]["job_ids"] == [ids[7]]
     assert _replay_tick(conv_defs, instance, sensor, cursor)[0] == []
+
+
+def test_a_failed_batch_replay_run_reopens_its_letters_for_another_replay(
+        conv_defs, instance, engine, submit, sandbox, clock) -> None:
+    """A batch replay run dies before it requeues anything (its worker killed): its letters do not stay
+    `replaying` for ever. The run-failure sensor opens them again, alerts once, and records no `run:<id>`
+    letter; the operator's next replay of them is accepted and the replay sensor starts it."""
+    from orchestration.pipelines.conversion import pipeline_defs
+    from redrive import deadletters
+    from redrive.settings import Settings
+    from sensors.core import dead_letter_replay_sensor, replayed_letters
+
+    ids = [submit(name=f"doc-{i}.pdf") for i in range(3)]
+    sandbox.script("pdf.convert", *[{"status": 400}] * 3)
+    assert launch(conv_defs, instance, sensor_requests(conv_defs, instance)[0]).success
+    with engine.begin() as conn:
+        letter_ids = conn.execute(sa.select(dead_letters.c.id).where(dead_letters.c.pipeline == "conversion")
+                                  .order_by(dead_letters.c.id)).scalars().all()
+        for letter_id in letter_ids:
+            deadletters.request_replay(conn, letter_id, evidence="INC-7: mapping fixed", confirm_safe=True,
+                                       at=clock.now())
+    slack_before = sandbox.count("slack.message")
+
+    sensor = dead_letter_replay_sensor(pipeline_defs(Settings()).replay_targets)
+    [request], cursor = _replay_tick(conv_defs, instance, sensor, None)
+    assert sorted(replayed_letters(request.tags)) == sorted(letter_ids)
+    job_def = conv_defs.resolve_job_def(request.job_name)
+    run = instance.create_run_for_job(job_def=job_def, run_config=request.run_config,
+                                      tags={**job_def.tags, **request.tags})
+    instance.report_run_failed(run)  # what the code server records for a run whose worker was SIGKILLed
+
+    evaluate_failure_sensor(conv_defs, instance, run.run_id)
+    evaluate_failure_sensor(conv_defs, instance, run.run_id)  # the same failure seen twice
+
+    with engine.begin() as conn:
+        letters = [deadletters.get(conn, i) for i in letter_ids]
+        run_letters = conn.execute(sa.select(sa.func.count()).select_from(dead_letters)
+                                   .where(dead_letters.c.entity_ref.like("run:%"))).scalar_one()
+        assert {letter.status for letter in letters} == {"open"}
+        assert all(letter.notes[-1]["kind"] == "replay_failed" and run.run_id in letter.notes[-1]["text"]
+                   for letter in letters)
+        assert run_letters == 0
+        deadletters.request_replay(conn, letter_ids[0], evidence="INC-7: rerun", confirm_safe=True, at=clock.now())
+    alerts = sandbox.effects("slack.message")[slack_before:]
+    assert len(alerts) == 1 and run.run_id in alerts[0]["payload"]["text"]
+    assert "3 of its 3 dead letters are open again" in alerts[0]["payload"]["text"]
+
+    [again], _ = _replay_tick(conv_defs, instance, sensor, cursor)
+    assert replayed_letters(again.tags) == [letter_ids[0]]
+    assert again.run_config["ops"]["requeue_failed_job"]["config"]["job_ids"] == [letters[0].entity_ref]
+    assert {letter.entity_ref for letter in letters} == set(ids)

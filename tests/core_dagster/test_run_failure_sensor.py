@@ -6,17 +6,7 @@ import dagster as dg
 
 from assets.rehearsal import pipeline as rehearsal
 from sensors.core import should_alert_run_failure
-
-
-def evaluate_failure_sensor(defs, instance, run_id: str) -> None:
-    run = instance.get_run_by_id(run_id)
-    failure = instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.RUN_FAILURE).records[0]
-    sensor = defs.get_sensor_def("redrive_run_failure_alerts")
-    with dg.build_run_status_sensor_context(
-        sensor_name=sensor.name, dagster_event=failure.event_log_entry.dagster_event, dagster_instance=instance,
-        dagster_run=run, resources=defs.resources,
-    ) as context:
-        sensor(context.for_run_failure())
+from tests.dagster_helpers import evaluate_failure_sensor
 
 
 def test_unexpected_run_failure_is_posted_once(defs, instance, sandbox) -> None:
