@@ -131,6 +131,23 @@ def test_topology_serves_work_and_leaves_no_process(db_url: str, dagster_pg_url:
             return status if status in {"SUCCESS", "FAILURE", "CANCELED"} else None
 
         assert eventually(run_finished, "the healthcheck run", timeout=300) == "SUCCESS"
+
+        # the same through devstack.dagster_api, as `make demo` drives the deployment: a sensor stopped and
+        # started like the UI's toggle, the daemon's next tick of it, and a failed run's failure as one line
+        api = topology.api()
+        replays = "redrive_dead_letter_replays"
+        api.set_sensor(replays, running=False)
+        assert not api.sensor_running(replays)
+        api.set_sensor(replays, running=True)
+        assert api.sensor_running(replays)
+        tick = api.next_tick(replays, after=time.time(), timeout=300)
+        assert tick.status in {"SKIPPED", "SUCCESS"} and tick.timestamp > 0
+        sandbox.script("llm", {"status": 401})  # the healthcheck's LLM round trip: refused, not retried
+        failed = api.launch("stack_healthcheck_job")
+        remember()
+        assert api.wait_run(failed, timeout=300) == "FAILURE"
+        [line] = api.failures(failed)
+        assert "AUTH_DENIED" in line and "Traceback" not in line and not line.startswith("dagster."), line
         assert topology.exited() == {}  # no service died along the way
 
     assert topology.survivors() == []
