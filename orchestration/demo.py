@@ -189,7 +189,8 @@ class DaemonDemoContext(DemoContext):
 # What the deployed processes need for the demo's pace: every wait × 0.01, a 3 s alert burst window, sensors that
 # pick up new work within seconds (the replay and inbox sensors keep their own 15 s / 30 s).
 DAEMON_ENV = {"REDRIVE_TIME_SCALE": "0.01", "ALERT_BURST_WINDOW_SECONDS": "3", "CRITICIZER_SENSOR_INTERVAL_SECONDS": "5",
-              "REVIEW_NOTIFICATIONS_SENSOR_INTERVAL_SECONDS": "5", "MATCHING_SENSOR_INTERVAL_SECONDS": "5"}
+              "REVIEW_NOTIFICATIONS_SENSOR_INTERVAL_SECONDS": "5", "MATCHING_SENSOR_INTERVAL_SECONDS": "5",
+              "EVIDENCE_SCHEDULER_INTERVAL_SECONDS": "5", "EVIDENCE_MONITOR_INTERVAL_SECONDS": "30"}
 ALERT_SENSOR = "redrive_alert_delivery"
 
 
