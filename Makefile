@@ -18,6 +18,12 @@ install: $(STAMP)
 demo: install
 	@$(PY) -m orchestration.demo
 
+## make demo-daemon: the same demo through the deployed topology (code server, daemon, webserver, as `make serve`):
+## the daemon ticks the sensors and the run queue starts the runs; pipelines not yet written for it are listed.
+.PHONY: demo-daemon
+demo-daemon: install
+	@$(PY) -m orchestration.demo --daemon
+
 ## make test: the whole suite; the local stack is started by the tests' fixtures.
 test: install browser lint
 	@$(PY) -m pytest -q $(PYTEST_ARGS)

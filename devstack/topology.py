@@ -25,12 +25,16 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import psutil
 
 from devstack.process import free_port
 from redrive.settings import PROJECT_ROOT
+
+if TYPE_CHECKING:
+    from devstack.dagster_api import DagsterApi
 
 MARKER = "REDRIVE_TOPOLOGY_ID"
 LOCATION = "redrive"
@@ -131,6 +135,12 @@ class Topology:
     @property
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.values['metrics_port']}/metrics"
+
+    def api(self) -> DagsterApi:
+        """The deployment driven through the webserver's GraphQL API: launch and wait for runs, sensors' ticks."""
+        from devstack.dagster_api import DagsterApi
+
+        return DagsterApi(self.webserver_url, LOCATION)
 
     @property
     def log_dir(self) -> Path:

@@ -14,6 +14,10 @@
 A replay marks the dead letter `replaying`; the `redrive_dead_letter_replays` sensor
 starts the run (from the failed stage unless --from-start). Errors are one line,
 never a stack trace.
+
+The core's commands are plain click (issue 16 §6: `--help` and the reading commands answer in a
+fraction of a second; typer's import alone cost more than the rest). Each pipeline's own commands
+stay typer apps, mounted by name from the registry and imported only when one of them runs.
 """
 
 from __future__ import annotations
@@ -23,10 +27,9 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import typer
-from typer.core import TyperCommand, TyperGroup
+import click
 
 if TYPE_CHECKING:  # the heavy modules load inside the commands that use them: `--help` stays fast
     from datetime import datetime
@@ -36,15 +39,23 @@ if TYPE_CHECKING:  # the heavy modules load inside the commands that use them: `
     from redrive.deadletter_reads import DeadLetter
 
 
-class _PipelineCommand(TyperCommand):
-    """Stands in for a pipeline's sub-app in `redrive --help`; the module is imported only when the command runs."""
+class _PipelineCommand(click.Command):
+    """A pipeline's typer app under its registry name, imported only when it runs (click's lazy-loading pattern).
+
+    Every argument after the name, `--help` included, goes to the pipeline's own command, which parses it,
+    prints its help and errors, and exits with its own status.
+    """
 
     def __init__(self, name: str, target: str, pipeline: str) -> None:
-        super().__init__(name, help=f"{pipeline} pipeline commands (`redrive {name} --help`)", rich_markup_mode=None)
+        super().__init__(name, help=f"{pipeline} pipeline commands (`redrive {name} --help`)", add_help_option=False,
+                         context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
         self.target = target
 
     def load(self) -> Any:
+        """The pipeline's click group (typer's), with plain help: typer's rich help prints a flag as `--json <bool>`."""
         import importlib
+
+        import typer
 
         module, attr = self.target.split(":")
         command = typer.main.get_group(getattr(importlib.import_module(module), attr))  # a group even with one command
@@ -52,12 +63,34 @@ class _PipelineCommand(TyperCommand):
         _plain_help(command)
         return command
 
+    def invoke(self, ctx: click.Context) -> Any:
+        return self.load().main(args=list(ctx.args), prog_name=ctx.command_path)
+
 
 def _plain_help(command: Any) -> None:
-    """One help style for every command: typer's rich style prints a flag as `--json <bool>`, as if it took a value."""
     command.rich_markup_mode = None
     for sub in getattr(command, "commands", {}).values():
         _plain_help(sub)
+
+
+class _Group(click.Group):
+    """Commands listed in the order they were added (click sorts them), and help when called bare."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, no_args_is_help=True, **kwargs)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)
+
+
+class _Redrive(_Group):
+    """The core's commands, plus each pipeline's commands mounted by name without importing them."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [*super().list_commands(ctx), *_pipeline_commands()]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return super().get_command(ctx, cmd_name) or _pipeline_commands().get(cmd_name)
 
 
 def _pipeline_commands() -> dict[str, _PipelineCommand]:
@@ -67,37 +100,32 @@ def _pipeline_commands() -> dict[str, _PipelineCommand]:
     return {name: _PipelineCommand(name, target, p.name) for p in PIPELINES for name, target in p.commands.items()}
 
 
-class _RedriveGroup(TyperGroup):
-    """The core's commands, plus each pipeline's sub-app mounted by name without importing it."""
-
-    # (typer ships its own copy of click: the signatures say Any rather than name either)
-    def list_commands(self, ctx: Any) -> list[str]:
-        return [*super().list_commands(ctx), *_pipeline_commands()]
-
-    def get_command(self, ctx: Any, cmd_name: str) -> Any:
-        return super().get_command(ctx, cmd_name) or _pipeline_commands().get(cmd_name)
-
-    def resolve_command(self, ctx: Any, args: list[str]) -> tuple[str | None, Any, list[str]]:
-        name, command, rest = super().resolve_command(ctx, args)
-        if isinstance(command, _PipelineCommand):
-            command = command.load()
-        return name, command, rest
+# typer showed defaults and `[required]`; so does this
+app = _Redrive("redrive", help="redrive operator commands", context_settings={"show_default": True})
 
 
-# Plain click help (rich_markup_mode=None): rich's import alone costs about as much as the rest of `--help`.
-PLAIN = {"no_args_is_help": True, "rich_markup_mode": None}
-app = typer.Typer(cls=_RedriveGroup, help="redrive operator commands", add_completion=False,
-                  pretty_exceptions_enable=False, **PLAIN)
-dlq = typer.Typer(help="dead letters: list, show, replay, resolve", **PLAIN)
-db = typer.Typer(help="schema migrations", **PLAIN)
-alerts_app = typer.Typer(help="alert delivery", **PLAIN)
-metrics_app = typer.Typer(help="Prometheus metrics of every pipeline", **PLAIN)
-app.add_typer(dlq, name="dlq")
-app.add_typer(metrics_app, name="metrics")
-app.add_typer(db, name="db")
-app.add_typer(alerts_app, name="alerts")
+@app.group(cls=_Group)
+def dlq() -> None:
+    """dead letters: list, show, replay, resolve"""
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+
+@app.group("metrics", cls=_Group)
+def metrics_app() -> None:
+    """Prometheus metrics of every pipeline"""
+
+
+@app.group(cls=_Group)
+def db() -> None:
+    """schema migrations"""
+
+
+@app.group("alerts", cls=_Group)
+def alerts_app() -> None:
+    """alert delivery"""
+
+
+def json_option(f: Any) -> Any:
+    return click.option("--json", "as_json", is_flag=True, help="machine-readable output")(f)
 
 
 @contextmanager
@@ -140,9 +168,10 @@ def reading() -> Iterator[Any]:
             conn.close()
 
 
-def fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
+def fail(message: str) -> NoReturn:
+    """The canonical error: one line on stderr, exit status 2, never a stack trace."""
+    click.echo(f"error: {message}", err=True)
+    raise click.exceptions.Exit(2)
 
 
 def check_pipeline(pipeline: str | None) -> None:
@@ -205,13 +234,13 @@ def parse_time(value: str | None) -> datetime | None:
 
 
 @dlq.command("list")
-def dlq_list(
-    pipeline: Annotated[str | None, typer.Option(help="only this pipeline")] = None,
-    error_class: Annotated[str | None, typer.Option(help="only this error class")] = None,
-    status: Annotated[list[str] | None, typer.Option(help="open, replaying, escalated, resolved")] = None,
-    limit: int = 100,
-    as_json: JsonOpt = False,
-) -> None:
+@click.option("--pipeline", help="only this pipeline")
+@click.option("--error-class", help="only this error class")
+@click.option("--status", multiple=True, help="open, replaying, escalated, resolved")
+@click.option("--limit", type=int, default=100)
+@json_option
+def dlq_list(pipeline: str | None, error_class: str | None, status: tuple[str, ...], limit: int,
+             as_json: bool) -> None:
     """Dead letters, newest failure first (open and escalated by default)."""
     check_pipeline(pipeline)
     check_statuses(status or [])
@@ -222,11 +251,13 @@ def dlq_list(
                        limit=limit)
     with reading() as cursor:
         rows = reads.list_(cursor, flt)
-    typer.echo(json.dumps([r.as_json() for r in rows], default=str, indent=2) if as_json else table(rows))
+    click.echo(json.dumps([r.as_json() for r in rows], default=str, indent=2) if as_json else table(rows))
 
 
 @dlq.command("show")
-def dlq_show(dead_letter_id: int, as_json: JsonOpt = False) -> None:
+@click.argument("dead_letter_id", type=int)
+@json_option
+def dlq_show(dead_letter_id: int, as_json: bool) -> None:
     """Everything triage needs (§8.5): error class, stage, attempts, context, stack, notes."""
     from redrive import deadletter_reads as reads
 
@@ -234,18 +265,18 @@ def dlq_show(dead_letter_id: int, as_json: JsonOpt = False) -> None:
         letter = reads.get(cursor, dead_letter_id)
     if letter is None:
         fail(f"dead letter {dead_letter_id} does not exist")
-    typer.echo(json.dumps(letter.as_json(), default=str, indent=2) if as_json else show_text(letter))
+    click.echo(json.dumps(letter.as_json(), default=str, indent=2) if as_json else show_text(letter))
 
 
 @dlq.command("replay")
-def dlq_replay(
-    dead_letter_id: int,
-    note: Annotated[str | None, typer.Option(help="remediation evidence: ticket and what was fixed")] = None,
-    confirm_safe: Annotated[bool, typer.Option("--confirm-safe", help="the replay is idempotent or safe")] = False,
-    from_start: Annotated[bool, typer.Option("--from-start", help="restart all stages")] = False,
-    operator: Annotated[str, typer.Option(help="who asks")] = "operator",
-    as_json: JsonOpt = False,
-) -> None:
+@click.argument("dead_letter_id", type=int)
+@click.option("--note", help="remediation evidence: ticket and what was fixed")
+@click.option("--confirm-safe", is_flag=True, help="the replay is idempotent or safe")
+@click.option("--from-start", is_flag=True, help="restart all stages")
+@click.option("--operator", default="operator", help="who asks")
+@json_option
+def dlq_replay(dead_letter_id: int, note: str | None, confirm_safe: bool, from_start: bool, operator: str,
+               as_json: bool) -> None:
     """Replay from the failed stage after remediation; the replay sensor starts the run."""
     from redrive import deadletters
     from redrive.clock import SystemClock
@@ -258,24 +289,24 @@ def dlq_replay(
     except ReplayRefused as refused:
         fail(str(refused))
     if as_json:
-        typer.echo(json.dumps(letter.as_json(), default=str, indent=2))
+        click.echo(json.dumps(letter.as_json(), default=str, indent=2))
     else:
         where = "all stages" if from_start else f"stage {letter.stage}"
-        typer.echo(f"dead letter {letter.id}: replay {letter.replay_count} requested from {where}; "
+        click.echo(f"dead letter {letter.id}: replay {letter.replay_count} requested from {where}; "
                    "the redrive_dead_letter_replays sensor starts the run")
 
 
 @dlq.command("replay-bulk")
-def dlq_replay_bulk(
-    pipeline: Annotated[str, typer.Option(help="pipeline to redrive")],
-    note: Annotated[str, typer.Option(help="remediation evidence")],
-    confirm_safe: Annotated[bool, typer.Option("--confirm-safe")] = False,
-    error_class: Annotated[str | None, typer.Option()] = None,
-    since: Annotated[str | None, typer.Option(help="ISO time, inclusive")] = None,
-    until: Annotated[str | None, typer.Option(help="ISO time, exclusive")] = None,
-    rate: Annotated[float, typer.Option(help="replays requested per second")] = 1.0,
-    limit: int = 1000,
-) -> None:
+@click.option("--pipeline", required=True, help="pipeline to redrive")
+@click.option("--note", required=True, help="remediation evidence")
+@click.option("--confirm-safe", is_flag=True)
+@click.option("--error-class")
+@click.option("--since", help="ISO time, inclusive")
+@click.option("--until", help="ISO time, exclusive")
+@click.option("--rate", type=float, default=1.0, help="replays requested per second")
+@click.option("--limit", type=int, default=1000)
+def dlq_replay_bulk(pipeline: str, note: str, confirm_safe: bool, error_class: str | None, since: str | None,
+                    until: str | None, rate: float, limit: int) -> None:
     """Replay many dead letters by filter at a bounded rate, so a recovered upstream is not flooded."""
     check_pipeline(pipeline)
     import time
@@ -290,14 +321,17 @@ def dlq_replay_bulk(
     with database_url() as url:
         report = bulk_replay(engine_for(url), flt, evidence=note, confirm_safe=confirm_safe, rate=rate,
                              clock=SystemClock(), sleep=time.sleep)
-    typer.echo(f"requested {report.requested} replays, refused {report.refused}")
+    click.echo(f"requested {report.requested} replays, refused {report.refused}")
     for line in report.refusals[:20]:
-        typer.echo(f"  refused: {line}")
+        click.echo(f"  refused: {line}")
 
 
 @dlq.command("resolve")
-def dlq_resolve(dead_letter_id: int, note: Annotated[str | None, typer.Option(help="why it is closed")] = None,
-                operator: str = "operator", as_json: JsonOpt = False) -> None:
+@click.argument("dead_letter_id", type=int)
+@click.option("--note", help="why it is closed")
+@click.option("--operator", default="operator")
+@json_option
+def dlq_resolve(dead_letter_id: int, note: str | None, operator: str, as_json: bool) -> None:
     """Close a dead letter without replay; the note says why."""
     from redrive import deadletters
     from redrive.clock import SystemClock
@@ -309,11 +343,12 @@ def dlq_resolve(dead_letter_id: int, note: Annotated[str | None, typer.Option(he
                                          operator=operator)
     except ReplayRefused as refused:
         fail(str(refused))
-    typer.echo(json.dumps(letter.as_json(), default=str, indent=2) if as_json else f"dead letter {letter.id}: resolved")
+    click.echo(json.dumps(letter.as_json(), default=str, indent=2) if as_json else f"dead letter {letter.id}: resolved")
 
 
 @dlq.command("reconcile")
-def dlq_reconcile(limit: Annotated[int, typer.Option(help="at most this many per pipeline")] = 100) -> None:
+@click.option("--limit", type=int, default=100, help="at most this many per pipeline")
+def dlq_reconcile(limit: int) -> None:
     """Dead-letter (and alert) every entity failed for good without a dead letter, as the
     redrive_dead_letter_reconciliation sensor does every 5 minutes."""
     from orchestration.registry import load_pipelines  # the command is an edge: it may load the pipelines
@@ -331,15 +366,14 @@ def dlq_reconcile(limit: Annotated[int, typer.Option(help="at most this many per
                               burst_window=settings.alert_burst_window_seconds)
         repaired = reconcile(runtime, sources, limit=limit)
     for r in repaired:
-        typer.echo(f"{r.pipeline} {r.entity_ref}: dead letter {r.dead_letter_id} written")
-    typer.echo(f"{len(repaired)} repaired ({', '.join(sources)} checked)")
+        click.echo(f"{r.pipeline} {r.entity_ref}: dead letter {r.dead_letter_id} written")
+    click.echo(f"{len(repaired)} repaired ({', '.join(sources)} checked)")
 
 
 @app.command("breaker")
-def breaker_status(
-    window: Annotated[int, typer.Option(help="calls in the window (the guarded pipeline's CIRCUIT_WINDOW)")] = 20,
-    as_json: JsonOpt = False,
-) -> None:
+@click.option("--window", type=int, default=20, help="calls in the window (the guarded pipeline's CIRCUIT_WINDOW)")
+@json_option
+def breaker_status(window: int, as_json: bool) -> None:
     """Each circuit breaker: open or closed, since when, last probe, failures in its window."""
     from redrive import breaker
     from redrive.clock import SystemClock
@@ -351,14 +385,14 @@ def breaker_status(
             "open_count": s.open_count, "open_seconds": round(s.open_seconds(now), 1),
             "window_calls": len(calls), "window_failures": calls.count(False)} for s, calls in rows]
     if as_json:
-        typer.echo(json.dumps(out, default=str, indent=2))
+        click.echo(json.dumps(out, default=str, indent=2))
         return
     if not out:
-        typer.echo("no breaker has guarded a call yet")
+        click.echo("no breaker has guarded a call yet")
     for b in out:
         since = f" since {b['opened_at']:%Y-%m-%d %H:%M:%S}" if b["state"] == "open" else ""
         probe = f", last probe {b['last_probe_at']:%H:%M:%S}" if b["last_probe_at"] else ""
-        typer.echo(f"{b['name']}: {b['state']}{since}{probe}; {b['window_failures']} of the last "
+        click.echo(f"{b['name']}: {b['state']}{since}{probe}; {b['window_failures']} of the last "
                    f"{b['window_calls']} calls failed; opened {b['open_count']} times, {b['open_seconds']} s open")
 
 
@@ -376,7 +410,7 @@ def alerts_dispatch() -> None:
                               channels=notifier_from(settings).channels(),
                               burst_window=settings.alert_burst_window_seconds)
         report = runtime.try_dispatch()
-    typer.echo(f"{report}" if report else "no channel configured")
+    click.echo(f"{report}" if report else "no channel configured")
 
 
 @db.command("upgrade")
@@ -386,11 +420,12 @@ def db_upgrade() -> None:
 
     with database_url() as url:
         upgrade_head(url)
-    typer.echo("schema at head")
+    click.echo("schema at head")
 
 
 @db.command("downgrade")
-def db_downgrade(yes: Annotated[bool, typer.Option("--yes", help="really drop every redrive table")] = False) -> None:
+@click.option("--yes", is_flag=True, help="really drop every redrive table")
+def db_downgrade(yes: bool) -> None:
     """alembic downgrade base (drops redrive's tables)."""
     if not yes:
         fail("this drops every redrive table; pass --yes")
@@ -398,19 +433,20 @@ def db_downgrade(yes: Annotated[bool, typer.Option("--yes", help="really drop ev
 
     with database_url() as url:
         downgrade_base(url)
-    typer.echo("schema at base")
+    click.echo("schema at base")
 
 
 @metrics_app.command("serve")
-def metrics_serve(host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-                  port: Annotated[int, typer.Option(help="port of /metrics")] = 9108) -> None:
+@click.option("--host", default="127.0.0.1", help="address to listen on")
+@click.option("--port", type=int, default=9108, help="port of /metrics")
+def metrics_serve(host: str, port: int) -> None:
     """Serve /metrics for Prometheus until SIGTERM: every pipeline's series, read from PostgreSQL per scrape."""
     from orchestration.metrics import serve
     from redrive.clock import SystemClock
     from redrive.db import engine_for
 
     with database_url() as url:
-        typer.echo(f"serving http://{host}:{port}/metrics", err=True)
+        click.echo(f"serving http://{host}:{port}/metrics", err=True)
         serve(engine_for(url), SystemClock(), host, port)
 
 
@@ -424,5 +460,5 @@ def main() -> None:  # pragma: no cover - console entry
         from redrive.failures import classify_exception
 
         failure = classify_exception(exc)
-        typer.echo(f"error: {failure.code}: {failure.message}", err=True)
+        click.echo(f"error: {failure.code}: {failure.message}", err=True)
         sys.exit(1)

@@ -210,12 +210,21 @@ async def _apply(route: Route, step: Step, request: Request, state: SandboxState
     raise AssertionError(f"unhandled step {step!r}")
 
 
+async def _request_text(request: Request, state: SandboxState, route: Route) -> str:
+    """Path, query and body, for steps scripted with `match`; read only when such a step waits (starlette
+    keeps the body, so the handler reads it again)."""
+    if not state.faults.matches_pending(route):
+        return ""
+    body = await request.body()
+    return f"{request.url.path}?{request.url.query}\n{body.decode('utf-8', errors='replace')}"
+
+
 def scripted(route: Route, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
     """Wrap a provider endpoint: consume the route's next step, log the request, apply the step."""
 
     async def endpoint(request: Request) -> Response:
         state = _state(request)
-        planned = state.faults.next_step(route)
+        planned = state.faults.next_step(route, await _request_text(request, state, route))
         seq = state.traffic.open(
             route=route.value,
             method=request.method,
@@ -562,7 +571,7 @@ async def admin_clear_faults(request: Request, state: SandboxState) -> Response:
 async def admin_script(request: Request, state: SandboxState) -> Response:
     route = _route_param(request)
     script = await _admin_model(request, ScriptRequest)
-    pending = state.faults.append(route, script.steps)
+    pending = state.faults.append(route, script.steps, script.match)
     return JSONResponse({"route": route.value, "pending": pending}, status_code=201)
 
 

@@ -37,9 +37,10 @@ class SandboxClient:
 
     # -- faults ----------------------------------------------------------------
 
-    def script(self, route: str, *steps: StepSpec) -> int:
-        """Append steps to the route's script; returns how many are pending."""
-        body = {"steps": [_step_json(s) for s in steps]}
+    def script(self, route: str, *steps: StepSpec, match: str | None = None) -> int:
+        """Append steps to the route's script; returns how many are pending. With `match`, only requests whose
+        path, query or body contain that text take them (and they go before the route's unmatched script)."""
+        body: dict[str, Any] = {"steps": [_step_json(s) for s in steps], **_only(match=match)}
         return int(self._call("POST", f"/_admin/faults/{route}", json=body)["pending"])
 
     def random_faults(

@@ -179,6 +179,10 @@ class ScriptRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     steps: list[Step] = Field(min_length=1)
+    # Only a request whose path, query or body contains this text takes these steps (an entity's id, a
+    # webhook path): work running concurrently — pipelines ticked by the daemon, alert deliveries on the
+    # same route — then meets the faults scripted for it, whatever order the requests arrive in.
+    match: str | None = Field(default=None, min_length=1)
 
 
 RANDOM_KINDS = ("timeout", "malformed", "schema_invalid", "reset", "effect_then_error")
@@ -262,16 +266,26 @@ class FaultBook:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._scripts: dict[Route, deque[Step]] = {}
+        self._matched: dict[Route, dict[str, deque[Step]]] = {}
         self._random: dict[Route, tuple[RandomFaults, random.Random]] = {}
 
-    def append(self, route: Route, steps: list[Step]) -> int:
-        """Queue steps behind any already pending; returns how many are pending now."""
+    def append(self, route: Route, steps: list[Step], match: str | None = None) -> int:
+        """Queue steps behind any already pending (for requests containing `match`, if given); returns how many
+        are pending in that queue now."""
         if route is not Route.LLM and any(isinstance(s, ContentStep) for s in steps):
             raise FaultScriptError(f"'content' steps only apply to route 'llm', not {route.value!r}")
         with self._lock:
-            queue = self._scripts.setdefault(route, deque())
+            if match is None:
+                queue = self._scripts.setdefault(route, deque())
+            else:
+                queue = self._matched.setdefault(route, {}).setdefault(match, deque())
             queue.extend(steps)
             return len(queue)
+
+    def matches_pending(self, route: Route) -> bool:
+        """Whether a request must be read (path and body) to choose its step."""
+        with self._lock:
+            return bool(self._matched.get(route))
 
     def start_random(self, route: Route, faults: RandomFaults) -> None:
         """Replace the route's random faults with a fresh generator from the seed."""
@@ -282,9 +296,17 @@ class FaultBook:
         with self._lock:
             return self._random.pop(route, None) is not None
 
-    def next_step(self, route: Route) -> PlannedStep:
-        """Scripted steps win over random faults, which win over normal behaviour."""
+    def next_step(self, route: Route, request_text: str = "") -> PlannedStep:
+        """Steps scripted for text the request contains win (the oldest match first), then the route's
+        script, then random faults, then normal behaviour."""
         with self._lock:
+            matched = self._matched.get(route, {})
+            for key, pending in list(matched.items()):
+                if key in request_text:
+                    step = pending.popleft()
+                    if not pending:
+                        del matched[key]
+                    return PlannedStep(step, "script")
             queue = self._scripts.get(route)
             if queue:
                 return PlannedStep(queue.popleft(), "script")
@@ -296,6 +318,7 @@ class FaultBook:
     def clear(self) -> None:
         with self._lock:
             self._scripts.clear()
+            self._matched.clear()
             self._random.clear()
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
@@ -306,6 +329,10 @@ class FaultBook:
                     "pending": [
                         s.model_dump(by_alias=True, exclude_none=True) for s in self._scripts.get(route, ())
                     ],
+                    "matched": {
+                        key: [s.model_dump(by_alias=True, exclude_none=True) for s in steps]
+                        for key, steps in self._matched.get(route, {}).items()
+                    },
                     "random": (
                         self._random[route][0].model_dump(exclude_none=True) if route in self._random else None
                     ),

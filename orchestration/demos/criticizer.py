@@ -32,6 +32,8 @@ CRITIQUE = {
                   "comment": "Classify errors; stop on non-retryable ones."}],
 }
 ARTIFACT = b"while True:\n    try:\n        return call()\n    except Exception:\n        continue\n"
+SENSOR = "criticizer_due_work"
+THROUGH_DAEMON = True  # under `demo --daemon` the daemon's ticks of SENSOR start the drain runs
 
 
 def ordered(attempts: Any) -> str:
@@ -41,7 +43,12 @@ def ordered(attempts: Any) -> str:
 @dataclass(frozen=True)
 class Drained:
     success: bool  # the request ended done
-    retries: int  # retries the drain run scheduled
+    retries: int  # retries its drain runs scheduled
+
+
+def retries_of(stage_attempts: Any) -> int:
+    """Each attempt of a stage after its first was a retry the drain scheduled."""
+    return sum(max(0, n - 1) for n in stage_attempts.values())
 
 
 def run_demo(ctx):  # -> orchestration.demo.DemoReport
@@ -50,41 +57,51 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     report = DemoReport(PIPELINE)
     sandbox, base = ctx.sandbox, ctx.sandbox.base_url
     sandbox.set_default("llm", content=json.dumps(CRITIQUE))
-    ctx.tick("criticizer_due_work")  # requests a crashed earlier demo left behind must not eat our faults
+    ctx.tick(SENSOR)  # requests a crashed earlier demo left behind must not eat our faults
+
+    def request_id(name: str) -> str:
+        return f"demo-{ctx.session}-{name}"
+
+    def path(name: str) -> str:
+        return f"demo/{ctx.session}/criticizer/{name}.py"
+
+    def script(name: str, route: str, *steps: dict[str, Any]) -> None:
+        """Faults for this request's calls only (its artifact path is in the fetch and the LLM prompt, its id in
+        the webhook's path): a drain run the daemon starts at any moment, or an alert, meets none of them."""
+        sandbox.script(route, *steps, match=request_id(name) if route == "slack" else path(name))
 
     def submit(name: str) -> str:
-        request_id = f"demo-{ctx.session}-{name}"
-        path = f"demo/{ctx.session}/criticizer/{name}.py"
-        sandbox.put_store(path, ARTIFACT, "text/x-python")
+        sandbox.put_store(path(name), ARTIFACT, "text/x-python")
         api.submit(ctx.engine, {
-            "request_id": request_id, "artifact_url": f"{base}/store/{path}",
+            "request_id": request_id(name), "artifact_url": f"{base}/store/{path(name)}",
             "rubric": "Does the code handle failures the way 002 §8 says?",
-            "webhook_url": f"{base}/slack/webhook/demo-criticizer/{request_id}",
+            "webhook_url": f"{base}/slack/webhook/demo-criticizer/{request_id(name)}",
             "webhook_headers": {"Authorization": f"Bearer demo-webhook-token-{ctx.session}"},
         }, allowed_artifact_prefixes=CriticizerSettings().allowed_prefixes(ctx.settings))
-        return request_id
+        return request_id(name)
 
-    def start(request_id: str) -> Drained:
-        [result] = ctx.tick("criticizer_due_work")  # the sensor starts one drain run for what is due
-        return Drained(api.status(ctx.engine, request_id).status == "done",
-                       len(result.output_for_node("criticizer_drain")["retries"]) if result.success else 0)
+    def start(request: str) -> Drained:
+        """The due-work sensor's drain runs work the request until it is done or dead-lettered."""
+        before = api.status(ctx.engine, request).stage_attempts
+        ctx.settle(SENSOR, PIPELINE, [request])
+        found = api.status(ctx.engine, request)
+        return Drained(found.status == "done", retries_of(found.stage_attempts) - retries_of(before))
 
-    def fetches(request_id: str) -> int:
-        name = request_id.rsplit("-", 1)[-1]
-        path = f"demo/{ctx.session}/criticizer/{name}.py"
-        return sum(1 for e in sandbox.effects("store.fetch") if e.get("path") == path)
+    def fetches(request: str) -> int:
+        name = request.rsplit("-", 1)[-1]
+        return sum(1 for e in sandbox.effects("store.fetch") if e.get("path") == path(name))
 
-    def letter_of(request_id: str) -> deadletters.DeadLetter:
+    def letter_of(request: str) -> deadletters.DeadLetter:
         with ctx.engine.connect() as conn:
-            letter = deadletters.active_for(conn, PIPELINE, request_id)
-        assert letter is not None, f"{request_id}: no dead letter"
+            letter = deadletters.active_for(conn, PIPELINE, request)
+        assert letter is not None, f"{request}: no dead letter"
         return letter
 
-    def replay(letter_id: int, request_id: str, evidence: str | None) -> Drained:
+    def replay(letter_id: int, request: str, evidence: str | None) -> Drained:
         with ctx.engine.begin() as conn:
             deadletters.request_replay(conn, letter_id, evidence=evidence, confirm_safe=True,
                                        at=SystemClock().now(), operator="demo")
-        return start(request_id)  # the replayed request's row is due again: the next drain run works it
+        return start(request)  # the replayed request's row is due again: the next drain run works it
 
     # clean
     clean = submit("clean")
@@ -92,10 +109,10 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     report.done += 1
 
     # flaky: every stage meets a retryable fault and rides it out on its own budget
+    script("flaky", "store", {"status": 503})
+    script("flaky", "llm", {"status": 429, "headers": {"Retry-After": "120"}}, {"status": 500})
+    script("flaky", "slack", {"status": 502})  # notify's first call is the webhook post
     flaky = submit("flaky")
-    sandbox.script("store", {"status": 503})
-    sandbox.script("llm", {"status": 429, "headers": {"Retry-After": "120"}}, {"status": 500})
-    sandbox.script("slack", {"status": 502})  # notify's first call is the webhook post
     result = start(flaky)
     assert result.success, "flaky request did not ride out its faults"
     found = api.status(ctx.engine, flaky)
@@ -106,8 +123,8 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
                         f"webhook 502 — retried per stage {ordered(found.stage_attempts)}, then done")
 
     # exhausted: llm spends its 5 attempts; the replay needs evidence, then starts at llm
+    script("exhausted", "llm", *[{"status": 503}] * 5)
     exhausted = submit("exhausted")
-    sandbox.script("llm", *[{"status": 503}] * 5)
     result = start(exhausted)
     assert not result.success
     report.retried += result.retries
@@ -130,13 +147,13 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
                         f"artifact fetched {fetches(exhausted)}× in all → {status}")
 
     # denied: the webhook refuses our credentials; a replay without the real fix escalates
+    script("denied", "slack", {"status": 401})
     denied = submit("denied")
-    sandbox.script("slack", {"status": 401})
     assert not start(denied).success
     report.dead_lettered += 1
     letter = letter_of(denied)
     assert (letter.stage, letter.error_class) == ("notify", "AUTH_DENIED")
-    sandbox.script("slack", {"status": 401})
+    script("denied", "slack", {"status": 401})
     again = replay(letter.id, denied, "DEMO-8: rotated the webhook token")
     assert not again.success and letter_of(denied).status == "escalated", "same class after replay did not escalate"
     fixed = replay(letter.id, denied, "DEMO-9: the requester re-enabled the webhook")

@@ -8,6 +8,8 @@ from assets.rehearsal import pipeline, repository
 from redrive import deadletters
 from redrive.clock import SystemClock
 
+THROUGH_DAEMON = True  # its runs and its replay go through the deployed topology under `demo --daemon`
+
 
 def run_demo(ctx):  # -> orchestration.demo.DemoReport
     from orchestration.demo import DemoReport

@@ -8,7 +8,7 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 import yaml
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
 from assets.conversion import pipeline
 from assets.conversion.policy import dispatch

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
 from redrive import deadletters
 from redrive.bulk import bulk_replay, pacing

@@ -123,7 +123,7 @@ def test_the_core_sensor_repairs_through_the_code_location(defs, instance, engin
 
 def test_command_reconciles_once(db_url, engine) -> None:
     """`redrive dlq reconcile` repairs the orphan and says so; run again, it repairs nothing."""
-    from typer.testing import CliRunner
+    from click.testing import CliRunner
 
     from orchestration.cli import app
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import sqlalchemy as sa
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
 from assets.criticizer import api
 from orchestration.cli import app

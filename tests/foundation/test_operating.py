@@ -93,7 +93,7 @@ def test_the_page_covers_every_action_the_seeds_name() -> None:
 
 def test_every_redrive_command_of_the_page_exists() -> None:
     """Every `redrive …` line names a command `redrive --help` lists (checked without a database)."""
-    from typer.testing import CliRunner
+    from click.testing import CliRunner
 
     from orchestration.cli import app
 

@@ -3,7 +3,9 @@
 One test, because the topology costs a minute to start on a shared machine: the webserver loads the
 `redrive` location from the gRPC code server, the daemon heartbeats, a PDF uploaded to the conversion
 API is converted by the conversion worker process, a run launched through GraphQL goes QUEUED →
-SUCCESS by the daemon's run coordinator, and after `stop()` no process of the topology is left.
+SUCCESS by the daemon's run coordinator, devstack.dagster_api starts and stops a sensor, waits for the
+daemon's tick and reads a failed run's one line, the rehearsal demo runs as `make demo-daemon` runs it,
+and after `stop()` no process of the topology is left.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import httpx
 import psutil
 import pytest
@@ -64,11 +67,12 @@ def dagster_pg_url(admin_url: str):
     drop_database(admin_url, name)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_topology_serves_work_and_leaves_no_process(db_url: str, dagster_pg_url: str, project_tmp: Path,
-                                                    sandbox) -> None:
+                                                    sandbox, defs, scaled_settings, engine, monkeypatch,
+                                                    capsys) -> None:
     """Every service of SERVICES starts on its own; work submitted through the API and GraphQL finishes."""
-    env = {"DATABASE_URL": db_url, "DAGSTER_PG_URL": dagster_pg_url,
+    env = {"DATABASE_URL": db_url, "DAGSTER_PG_URL": dagster_pg_url, "REDRIVE_TIME_SCALE": "0.01",
            "UPLOADS_DIR": str(project_tmp / "uploads"), "RESULTS_DIR": str(project_tmp / "results"),
            "WORKER_IDLE_SLEEP_SEC": "0.2"}
     with engine_for(db_url).begin() as conn:
@@ -131,6 +135,39 @@ def test_topology_serves_work_and_leaves_no_process(db_url: str, dagster_pg_url:
             return status if status in {"SUCCESS", "FAILURE", "CANCELED"} else None
 
         assert eventually(run_finished, "the healthcheck run", timeout=300) == "SUCCESS"
+
+        # the same through devstack.dagster_api, as `make demo` drives the deployment: a sensor stopped and
+        # started like the UI's toggle, the daemon's next tick of it, and a failed run's failure as one line
+        api = topology.api()
+        replays = "redrive_dead_letter_replays"
+        api.set_sensor(replays, running=False)
+        assert not api.sensor_running(replays)
+        api.set_sensor(replays, running=True)
+        assert api.sensor_running(replays)
+        tick = api.next_tick(replays, after=time.time(), timeout=300)
+        assert tick.status in {"SKIPPED", "SUCCESS"} and tick.timestamp > 0
+        sandbox.script("llm", {"status": 401})  # the healthcheck's LLM round trip: refused, not retried
+        failed = api.launch("stack_healthcheck_job")
+        remember()
+        assert api.wait_run(failed, timeout=300) == "FAILURE"
+        [line] = api.failures(failed)
+        assert "AUTH_DENIED" in line and "Traceback" not in line and not line.startswith("dagster."), line
+
+        # a pipeline's demo as `make demo-daemon` runs it: its runs through the queue, its dead letter's replay
+        # started by the daemon's own tick of the replay sensor, the failure it injects printed as one line
+        from orchestration.demo import DaemonDemoContext
+        from orchestration.demos import rehearsal
+
+        monkeypatch.setenv("DAGSTER_PG_URL", dagster_pg_url)  # this process reads the topology's run storage
+        with dg.DagsterInstance.from_config(str(topology.home)) as instance:
+            report = rehearsal.run_demo(DaemonDemoContext(defs, instance, scaled_settings, sandbox, engine,
+                                                          "topology", api=api))
+        remember()
+        assert (report.done, report.retried, report.dead_lettered) == (3, 2, 1)
+        assert any("replayed from stage 'ask' → resolved" in note for note in report.notes), report.notes
+        printed = capsys.readouterr().out.splitlines()
+        assert [x for x in printed if "✗" in x] == [next(x for x in printed if "✗ rehearsal_job:" in x)], printed
+        assert "Traceback" not in "\n".join(printed)
         assert topology.exited() == {}  # no service died along the way
 
     assert topology.survivors() == []

@@ -8,7 +8,7 @@ from datetime import timedelta
 import dagster as dg
 import pytest
 import sqlalchemy as sa
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
 from assets.matching import repository
 from assets.matching.pipeline import matching_drain_job

@@ -11,7 +11,7 @@ import json
 import dagster as dg
 import pytest
 import sqlalchemy as sa
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
 from assets.matchmaking import batch, policy
 from assets.matchmaking.batch import Knobs, PartitionRun

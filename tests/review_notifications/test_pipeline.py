@@ -10,6 +10,7 @@ from datetime import timedelta
 import dagster as dg
 import pytest
 import sqlalchemy as sa
+from click.testing import CliRunner as ClickRunner
 from typer.testing import CliRunner
 
 from assets.review_notifications import api, policy, repository
@@ -144,7 +145,7 @@ def test_bad_credentials_dead_letter_the_job_and_a_replay_finishes_it(daemon, en
     assert len(sandbox.effects("slack.message")) == 1
     assert daemon.tick() == []  # dead: nothing due until an operator acts
 
-    out = CliRunner().invoke(redrive_cli, ["dlq", "replay", str(letter.id), "--note", "INC-9: token rotated",
+    out = ClickRunner().invoke(redrive_cli, ["dlq", "replay", str(letter.id), "--note", "INC-9: token rotated",
                                            "--confirm-safe"], env={"DATABASE_URL": db_url})
     assert out.exit_code == 0, out.output
     assert daemon.drain().success

@@ -35,6 +35,20 @@ def test_scripted_sequence_is_served_in_order(sandbox: SandboxClient, http: http
     assert sandbox.count("llm.call") == 1
 
 
+def test_a_matched_script_meets_only_its_own_requests(sandbox: SandboxClient, http: httpx.Client) -> None:
+    """Faults scripted for one entity (its text in the body) skip the requests of others sent before it."""
+    sandbox.script("llm", {"status": 401}, match="request demo-b")
+    assert [s["status"] for s in sandbox.faults()["llm"]["matched"]["request demo-b"]] == [401]
+
+    other = http.post(CHAT, json=chat_body("request demo-a"), headers=LLM_AUTH)
+    mine = http.post(CHAT, json=chat_body("request demo-b"), headers=LLM_AUTH)
+    again = http.post(CHAT, json=chat_body("request demo-b"), headers=LLM_AUTH)
+
+    assert (other.status_code, mine.status_code, again.status_code) == (200, 401, 200)
+    assert mine.json()["error"]["code"] == "invalid_api_key"
+    assert sandbox.faults()["llm"]["matched"] == {}
+
+
 def test_error_code_shorthand_fills_the_openai_error_body(sandbox: SandboxClient, http: httpx.Client) -> None:
     """`error_code` sets the code of the default OpenAI error body, e.g. context_length_exceeded."""
     sandbox.script("llm", {"status": 400, "error_code": "context_length_exceeded"})

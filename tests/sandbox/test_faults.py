@@ -27,6 +27,19 @@ def test_script_is_consumed_in_order_then_route_behaves_normally() -> None:
     assert labels == [("status:429", "script"), ("ok", "script"), ("ok", "normal")]
 
 
+def test_matched_steps_go_only_to_requests_containing_their_text() -> None:
+    """A step scripted for "req-b" waits for a request that mentions req-b; others take the route's script."""
+    book = FaultBook()
+    book.append(Route.LLM, [StatusStep(status=503)], match="req-b")
+    book.append(Route.LLM, [StatusStep(status=429)])
+    assert book.matches_pending(Route.LLM) and not book.matches_pending(Route.MAIL_SEND)
+    served = [(p.label, p.source) for p in (book.next_step(Route.LLM, text) for text in
+                                            ("about req-a", "about req-a", "about req-b", "about req-b"))]
+    assert served == [("status:429", "script"), ("ok", "normal"), ("status:503", "script"), ("ok", "normal")]
+    assert not book.matches_pending(Route.LLM)
+    assert book.snapshot()["llm"]["matched"] == {}
+
+
 def test_script_wins_over_random_faults() -> None:
     """A pending scripted step is served before any random draw."""
     book = FaultBook()
