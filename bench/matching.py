@@ -264,11 +264,13 @@ def throughput(url: str, settings: Settings) -> None:
 
 
 class _Quiet:
-    def info(self, *_: Any) -> None: ...
+    """The worker's log with info and warning off (the worker passes `extra=` fields, as to a Logger)."""
 
-    def warning(self, *_: Any) -> None: ...
+    def info(self, *_: Any, **__: Any) -> None: ...
 
-    def error(self, msg: str) -> None:
+    def warning(self, *_: Any, **__: Any) -> None: ...
+
+    def error(self, msg: str, **_: Any) -> None:
         print(msg, file=sys.stderr)
 
 

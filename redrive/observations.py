@@ -16,11 +16,11 @@ Outcomes: ``ok`` (a stage attempt succeeded), ``retry`` (a failed attempt, retri
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import ARRAY, insert
+from sqlalchemy.dialects.postgresql import ARRAY
 
 from redrive.schema import NOW, TZ, metadata
 
@@ -63,34 +63,45 @@ def cumulative(buckets: Iterable[int]) -> list[int]:
 def observe(conn: sa.Connection, pipeline: str, stage: str, outcome: str, *, error_class: str | None = None,
             seconds: float | None = None, count: int = 1) -> None:
     """Count ``count`` outcomes (one, with its duration, when timed) in the caller's transaction."""
-    if outcome not in OUTCOMES:
-        raise ValueError(f"unknown outcome {outcome!r}")
     if seconds is not None and count != 1:
         raise ValueError("a timed observation counts one attempt")
+    if seconds is not None:
+        observe_many(conn, pipeline, stage, outcome, [seconds], error_class=error_class)
+    else:
+        _add(conn, pipeline, stage, outcome, error_class, count, [])
+
+
+def observe_many(conn: sa.Connection, pipeline: str, stage: str, outcome: str, seconds: Sequence[float], *,
+                 error_class: str | None = None) -> None:
+    """One timed observation per element of ``seconds`` (a negative one is counted, not timed), as ONE
+    upsert: a batch of work adds its outcomes to the hot row once instead of once per item."""
+    _add(conn, pipeline, stage, outcome, error_class, len(seconds), [s for s in seconds if s >= 0])
+
+
+def _add(conn: sa.Connection, pipeline: str, stage: str, outcome: str, error_class: str | None, count: int,
+         timed: Sequence[float]) -> None:
+    if outcome not in OUTCOMES:
+        raise ValueError(f"unknown outcome {outcome!r}")
     if count <= 0:
         return
-    empty = [0] * (len(BUCKETS) + 1)
-    timed = seconds is not None and seconds >= 0
-    if timed:
-        empty[bucket_of(seconds)] = 1
-    t = stage_observations
-    stmt = insert(t).values(pipeline=pipeline, stage=stage, outcome=outcome, error_class=error_class or "", count=count,
-                            buckets=empty, sum_seconds=seconds if timed else 0.0)
-    update: dict[str, object] = {"count": t.c.count + count, "updated_at": sa.func.now()}
-    if timed:
-        index = bucket_of(seconds) + 1  # PostgreSQL arrays count from 1
-        update["buckets"] = _bump(index)
-        update["sum_seconds"] = t.c.sum_seconds + seconds
-    conn.execute(stmt.on_conflict_do_update(index_elements=["pipeline", "stage", "outcome", "error_class"],
-                                            set_=update))
+    buckets = [0] * (len(BUCKETS) + 1)
+    for seconds in timed:
+        buckets[bucket_of(seconds)] += 1
+    conn.execute(_ADD, {"pipeline": pipeline, "stage": stage, "outcome": outcome, "error_class": error_class or "",
+                        "count": count, "buckets": buckets, "sum_seconds": float(sum(timed))})
 
 
-def _bump(index: int) -> sa.ColumnElement[object]:
-    """``buckets`` with element ``index`` (1-based) plus one, as one expression over the stored row."""
-    # the slices before and after around the bumped element (an empty slice when it is the first or last)
-    return sa.literal_column(
-        f"(stage_observations.buckets[1:{index - 1}] || (stage_observations.buckets[{index}] + 1) "
-        f"|| stage_observations.buckets[{index + 1}:{len(BUCKETS) + 1}])")
+# Adds a count, per-bucket counts and a sum to the row (element by element for the buckets); one
+# compiled statement for every pipeline, stage and bucket.
+_ADD = sa.text(
+    "INSERT INTO stage_observations (pipeline, stage, outcome, error_class, count, buckets, sum_seconds) "
+    "VALUES (:pipeline, :stage, :outcome, :error_class, :count, CAST(:buckets AS bigint[]), :sum_seconds) "
+    "ON CONFLICT (pipeline, stage, outcome, error_class) DO UPDATE SET "
+    "count = stage_observations.count + excluded.count, "
+    "buckets = ARRAY(SELECT o.n + a.n FROM unnest(stage_observations.buckets) WITH ORDINALITY AS o(n, i) "
+    "JOIN unnest(excluded.buckets) WITH ORDINALITY AS a(n, i) USING (i) ORDER BY i), "
+    "sum_seconds = stage_observations.sum_seconds + excluded.sum_seconds, updated_at = now()"
+)
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from botocore.exceptions import ClientError
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from redrive import group_commit as core
 from resources.aws import SqsResource
 
 _EXISTS = {"QueueAlreadyExists", "QueueNameExists", "AWS.SimpleQueueService.QueueNameExists"}
@@ -41,69 +42,36 @@ class ReceivedMessage:
 SQS_BATCH_LIMIT = 10  # entries per DeleteMessageBatch / ChangeMessageVisibilityBatch
 
 
-@dataclass
-class _Entry:
-    fields: dict[str, Any]
-    done: bool = False
-    error: Exception | None = None
-
-
-@dataclass
 class GroupCommit:
-    """Concurrent callers' entries leave in one batch call (group commit, no added delay).
+    """Concurrent callers' SQS entries leave in one batch call (`redrive.group_commit`, no added delay).
 
-    The first caller sends at once; whoever calls while that request is in flight waits for it and
-    then goes out with the others in the next one, up to `SQS_BATCH_LIMIT`. A lone caller's entry
-    goes through `single` (the plain call, its error raised as it is); a batch's per-entry failures
-    are raised to their own callers. Each caller returns only when its entry is settled.
+    A lone caller's entry goes through `single` (the plain call, its error raised as it is); a batch's
+    per-entry failures are raised to their own callers. Each caller returns only when its entry is settled.
     """
 
-    single: Callable[[dict[str, Any]], None]
-    batch: Callable[[list[dict[str, Any]]], dict[str, Any]]
-    _waiting: list[_Entry] = field(default_factory=list)
-    _busy: bool = False
-    _cond: threading.Condition = field(default_factory=threading.Condition)
+    def __init__(self, single: Callable[[dict[str, Any]], None],
+                 batch: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
+        self.single, self.batch = single, batch
+        self._group: core.GroupCommit[dict[str, Any], None] = core.GroupCommit(self._send, SQS_BATCH_LIMIT)
 
     @property
     def pending(self) -> int:
         """Entries waiting for the next call."""
-        with self._cond:
-            return len(self._waiting)
+        return self._group.pending
 
     def __call__(self, **fields: Any) -> None:
-        mine = _Entry(fields)
-        with self._cond:
-            self._waiting.append(mine)
-            while not mine.done:
-                if self._busy:
-                    self._cond.wait()
-                    continue
-                group, self._waiting = self._waiting[:SQS_BATCH_LIMIT], self._waiting[SQS_BATCH_LIMIT:]
-                self._busy = True
-                self._cond.release()
-                try:
-                    self._send(group)
-                finally:
-                    self._cond.acquire()
-                    self._busy = False
-                    self._cond.notify_all()
-        if mine.error is not None:
-            raise mine.error
+        self._group(fields)
 
-    def _send(self, group: list[_Entry]) -> None:
-        try:
-            if len(group) == 1:
-                self.single(group[0].fields)
-            else:
-                reply = self.batch([{"Id": str(i), **e.fields} for i, e in enumerate(group)])
-                for failed in reply.get("Failed", []):
-                    error = {"Code": failed.get("Code", ""), "Message": failed.get("Message", "")}
-                    group[int(failed["Id"])].error = ClientError({"Error": error}, "batch entry")
-        except Exception as exc:  # noqa: BLE001 - the call failed for every entry in it
-            for e in group:
-                e.error = exc
-        for e in group:
-            e.done = True
+    def _send(self, group: list[dict[str, Any]]) -> list[Exception | None]:
+        if len(group) == 1:
+            self.single(group[0])
+            return [None]
+        reply = self.batch([{"Id": str(i), **fields} for i, fields in enumerate(group)])
+        out: list[Exception | None] = [None] * len(group)
+        for failed in reply.get("Failed", []):
+            error = {"Code": failed.get("Code", ""), "Message": failed.get("Message", "")}
+            out[int(failed["Id"])] = ClientError({"Error": error}, "batch entry")
+        return out
 
 
 class MatchingQueue:

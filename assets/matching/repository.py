@@ -7,6 +7,7 @@ in a single transaction, serialized per cluster it touches.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -215,19 +216,22 @@ def save_prepared(conn: sa.Connection, document_id: str, prepared: Prepared) -> 
 
 
 def save_prepared_many(conn: sa.Connection, prepared: Sequence[tuple[str, Prepared]]) -> None:
-    """`save_prepared` for a received batch, in one statement."""
+    """`save_prepared` for a received batch, in one statement (one compiled statement for any batch:
+    the rows travel as one JSON parameter)."""
     if not prepared:
         return
-    rows = sa.values(
-        sa.column("id", sa.Text), sa.column("searchable_text", sa.Text), sa.column("counterparty", sa.Text),
-        sa.column("refs", ARRAY(sa.Text)), sa.column("embedding", sa.LargeBinary), sa.column("bands", ARRAY(sa.Integer)),
-        name="v",
-    ).data([(i, p.searchable_text, p.normalized_counterparty, list(p.normalized_references),
-             policy.to_bytes(p.embedding), list(p.bands)) for i, p in prepared])
-    conn.execute(sa.update(document).where(document.c.id == rows.c.id).values(
-        searchable_text=rows.c.searchable_text, normalized_counterparty=rows.c.counterparty,
-        normalized_references=sa.cast(rows.c.refs, ARRAY(sa.Text)), embedding=rows.c.embedding,
-        embedding_bands=sa.cast(rows.c.bands, ARRAY(sa.Integer))))
+    rows = [{"id": i, "searchable_text": p.searchable_text, "counterparty": p.normalized_counterparty,
+             "refs": list(p.normalized_references), "embedding": policy.to_bytes(p.embedding).hex(),
+             "bands": list(p.bands)} for i, p in prepared]
+    conn.execute(_SAVE_PREPARED, {"rows": json.dumps(rows)})
+
+
+_SAVE_PREPARED = sa.text(
+    "UPDATE document AS d SET searchable_text = v.searchable_text, normalized_counterparty = v.counterparty, "
+    "normalized_references = v.refs, embedding = decode(v.embedding, 'hex'), embedding_bands = v.bands "
+    "FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS v(id text, searchable_text text, counterparty text, "
+    "refs text[], embedding text, bands integer[]) WHERE d.id = v.id"
+)
 
 
 def get(conn: sa.Connection, document_id: str) -> dict[str, Any] | None:
@@ -336,6 +340,15 @@ _LOCK_CLUSTERS = sa.text("SELECT count(pg_advisory_xact_lock(k)) FROM unnest(CAS
 LOCK_ROUNDS = 5
 
 
+@dataclass(frozen=True)
+class Write:
+    """One delivery's write phase: the document's new edges (each has the document at one end)."""
+
+    document_id: str
+    tenant: str
+    edges: Sequence[Edge]
+
+
 def write_matches(engine: sa.Engine, document_id: str, tenant: str, edges: Sequence[Edge], now: datetime,
                   hooks: WriteHooks | None = None) -> WriteResult:
     """000's write phase, in one transaction:
@@ -346,41 +359,62 @@ def write_matches(engine: sa.Engine, document_id: str, tenant: str, edges: Seque
         UPDATE document SET cluster_id = ? WHERE id IN (affected cluster members)
         COMMIT
 
-    plus the document's `succeeded` mark, so a delivery either changes everything or nothing.
+    plus the document's `succeeded` mark, so a delivery either changes everything or nothing
+    (`write_matches_many` with one write)."""
+    return write_matches_many(engine, [Write(document_id, tenant, edges)], now, hooks)[0]
+
+
+def write_matches_many(engine: sa.Engine, writes: Sequence[Write], now: datetime, hooks: WriteHooks | None = None,
+                       then: Callable[[sa.Connection], None] | None = None) -> list[WriteResult]:
+    """Several deliveries' write phases in ONE transaction, with the result of running them one after
+    another in the given order (a document written twice keeps its last edges; an edge survives
+    unless a later write's document is one of its ends). `then` runs in the same transaction.
+    All or nothing: a caller that must isolate one delivery's failure writes it alone.
 
     Transaction-scoped advisory locks on the clusters it touches come first — the clusters of the
-    document and of its new partners (a lone document is its own cluster), in one sorted order
+    documents and of their new partners (a lone document is its own cluster), in one sorted order
     (`policy.cluster_lock_keys`). Any change to a cluster's membership is made by a writer that has
     one of its members among its seeds, so holds its lock: two writers touching a common cluster
     serialize, and compute cluster ids from each other's commits (READ COMMITTED, everything read
     after the locks); writers on disjoint clusters of one tenant run in parallel. If the clusters
     changed while this writer waited (a merge or split committed), the affected set needs a lock it
     does not hold: it rolls back and takes the larger set, at most LOCK_ROUNDS times. The locks are
-    held for milliseconds: the LLM call is outside.
+    held for milliseconds: the LLM calls are outside.
     """
     hooks = hooks or WriteHooks()
-    others = sorted({e.b if e.a == document_id else e.a for e in edges})
-    seeds = [document_id, *others]
-    keys: set[str] = set()
+    tenants = sorted({w.tenant for w in writes})
+    seeds = {t: sorted({d for w in writes if w.tenant == t for d in (w.document_id, *_partners(w))})
+             for t in tenants}
+    keys: dict[str, set[str]] = {}
     for _ in range(LOCK_ROUNDS):
         try:
             with engine.begin() as conn:
                 if not keys:  # first round: the clusters as they are now, read before locking
-                    keys = set(_cluster_keys(_clusters_by_id(conn, seeds)).values())
-                conn.execute(_LOCK_CLUSTERS, {"keys": policy.cluster_lock_keys(tenant, keys)})
+                    keys = {t: set(_cluster_keys(_clusters_by_id(conn, seeds[t])).values()) for t in tenants}
+                conn.execute(_LOCK_CLUSTERS, {"keys": sorted({k for t in tenants
+                                                               for k in policy.cluster_lock_keys(t, keys[t])})})
                 hooks.after_lock(conn)
-                return _write_locked(conn, document_id, tenant, seeds, edges, now, hooks, keys)
+                results = _write_locked(conn, writes, seeds, now, hooks, keys)
+                if then is not None:
+                    then(conn)
+                return results
         except _NeedsMoreLocks as more:  # rolled back; the locks are released with the transaction
-            keys |= more.keys
+            keys.setdefault(more.tenant, set()).update(more.keys)
     # other writers kept merging or splitting these clusters: a conflict, retried through SQS (000: transient)
-    raise ConflictError(Failure.of(Code.CONFLICT, message=f"the clusters around {document_id} kept changing",
-                                   detail=f"{len(keys)} cluster locks wanted after {LOCK_ROUNDS} rounds"))
+    ids = ", ".join(sorted({w.document_id for w in writes}))
+    raise ConflictError(Failure.of(Code.CONFLICT, message=f"the clusters around {ids} kept changing",
+                                   detail=f"{sum(map(len, keys.values()))} cluster locks wanted "
+                                          f"after {LOCK_ROUNDS} rounds"))
+
+
+def _partners(write: Write) -> list[str]:
+    return [e.b if e.a == write.document_id else e.a for e in write.edges]
 
 
 class _NeedsMoreLocks(Exception):
-    def __init__(self, keys: set[str]) -> None:
+    def __init__(self, tenant: str, keys: set[str]) -> None:
         super().__init__(f"{len(keys)} more cluster locks needed")
-        self.keys = keys
+        self.tenant, self.keys = tenant, keys
 
 
 def _cluster_keys(clusters: dict[str, str | None]) -> dict[str, str]:
@@ -388,41 +422,66 @@ def _cluster_keys(clusters: dict[str, str | None]) -> dict[str, str]:
     return {d: c or d for d, c in clusters.items()}
 
 
-def _write_locked(conn: sa.Connection, document_id: str, tenant: str, seeds: list[str], edges: Sequence[Edge],
-                  now: datetime, hooks: WriteHooks, locked: set[str]) -> WriteResult:
-    """The write under the locks of `locked`; raises `_NeedsMoreLocks` when it touches another cluster."""
-    current = _cluster_members(conn, tenant, seeds)
-    if document_id not in current:
-        raise LookupError(f"document {document_id} vanished before its matches were written")
-    missing = set(_cluster_keys(current).values()) - locked
-    if missing:  # a merge or split committed while we waited
-        raise _NeedsMoreLocks(missing)
-    affected = set(current)
+def surviving_edges(writes: Sequence[Write]) -> list[Edge]:
+    """The edges left by running the writes one after another: each deletes every edge of its document,
+    then inserts its own; so an edge stays unless a later write's document is one of its ends."""
+    later: set[str] = set()
+    out: list[Edge] = []
+    for w in reversed(writes):
+        out.extend(e for e in w.edges if e.a not in later and e.b not in later)
+        later.add(w.document_id)
+    return sorted(out, key=lambda e: (e.a, e.b))
 
-    conn.execute(sa.delete(document_match).where(
-        sa.or_(document_match.c.document_a_id == document_id, document_match.c.document_b_id == document_id)))
+
+def _write_locked(conn: sa.Connection, writes: Sequence[Write], seeds: dict[str, list[str]], now: datetime,
+                  hooks: WriteHooks, locked: dict[str, set[str]]) -> list[WriteResult]:
+    """The write under the locks of `locked`; raises `_NeedsMoreLocks` when it touches another cluster."""
+    current: dict[str, dict[str, str | None]] = {}
+    for tenant, ids in seeds.items():
+        current[tenant] = _cluster_members(conn, tenant, ids)
+        for w in writes:
+            if w.tenant == tenant and w.document_id not in current[tenant]:
+                raise LookupError(f"document {w.document_id} vanished before its matches were written")
+        missing = set(_cluster_keys(current[tenant]).values()) - locked.get(tenant, set())
+        if missing:  # a merge or split committed while we waited
+            raise _NeedsMoreLocks(tenant, missing)
+
+    documents = sorted({w.document_id for w in writes})
+    conn.execute(sa.delete(document_match).where(sa.or_(document_match.c.document_a_id.in_(documents),
+                                                        document_match.c.document_b_id.in_(documents))))
     hooks.after_delete(conn)
+    tenant_of = {w.document_id: w.tenant for w in writes}
+    edges = surviving_edges(writes)
     if edges:
         conn.execute(insert(document_match), [
-            {"document_a_id": e.a, "document_b_id": e.b, "tenant": tenant, "confidence": e.confidence,
-             "reason": e.reason[:500], "created_at": now} for e in edges])
+            {"document_a_id": e.a, "document_b_id": e.b, "tenant": tenant_of.get(e.a) or tenant_of[e.b],
+             "confidence": e.confidence, "reason": e.reason[:500], "created_at": now} for e in edges])
 
-    links = _edges_within(conn, affected)
-    if affected - set(current):  # the closure reached documents outside the clusters read above
-        outside = _clusters_by_id(conn, sorted(affected - set(current)))
-        missing = set(_cluster_keys(outside).values()) - locked
-        if missing:  # cluster ids that disagree with the edges (older data): lock those clusters too
-            raise _NeedsMoreLocks(missing)
-        current.update(outside)
-    clusters = policy.connected_components(affected, links)
-    changes = sorted((d, c) for d, c in clusters.items() if current.get(d) != c)
+    clusters: dict[str, str] = {}
+    affected: dict[str, set[str]] = {}
+    changes: list[tuple[str, str]] = []
+    for tenant, found in current.items():
+        affected[tenant] = nodes = set(found)
+        links = _edges_within(conn, nodes)
+        if nodes - set(found):  # the closure reached documents outside the clusters read above
+            outside = _clusters_by_id(conn, sorted(nodes - set(found)))
+            missing = set(_cluster_keys(outside).values()) - locked.get(tenant, set())
+            if missing:  # cluster ids that disagree with the edges (older data): lock those clusters too
+                raise _NeedsMoreLocks(tenant, missing)
+            found.update(outside)
+        components = policy.connected_components(nodes, links)
+        clusters.update(components)
+        changes.extend((d, c) for d, c in components.items() if found.get(d) != c)
     if changes:
+        changes.sort()
         conn.execute(_SET_CLUSTERS, {"ids": [d for d, _ in changes], "clusters": [c for _, c in changes],
                                      "now": now})
-    conn.execute(sa.update(document).where(document.c.id == document_id)
+    conn.execute(sa.update(document).where(document.c.id.in_(documents))
                  .values(matching_status=SUCCEEDED, updated_at=now))
-    return WriteResult(edges=len(edges), affected=len(affected), cluster_id=clusters[document_id],
-                       reassigned=len(changes), clusters=clusters)
+    return [WriteResult(edges=len(w.edges), affected=len(affected[w.tenant]), cluster_id=clusters[w.document_id],
+                        reassigned=len(changes), clusters={d: c for d, c in clusters.items()
+                                                            if d in affected[w.tenant]})
+            for w in writes]
 
 
 # One statement for all cluster changes, however large the cluster.

@@ -33,11 +33,12 @@ from pydantic import ValidationError
 
 from assets.matching import policy, repository
 from assets.matching.policy import PIPELINE, Action, Embedder, MatchDecision, MatchingMessage, Prepared
-from assets.matching.repository import WriteHooks
+from assets.matching.repository import WriteHooks, WriteResult
 from redrive import logs, observations
 from redrive.backoff import MATCHING_LLM_BACKOFF, MATCHING_VISIBILITY_BACKOFF
 from redrive.clock import Sleep
 from redrive.failures import Code, Failure, classify_exception
+from redrive.group_commit import GroupCommit
 from redrive.reliability import Reliability
 from redrive.retrying import call_with_retries
 from redrive.sanitize import sanitize_exception
@@ -65,6 +66,11 @@ class WorkerConfig:
     batch_size: int = 5
     in_flight: int | None = None  # messages processed at once by a drain; None: two batches
     receivers: int = 2  # threads receiving batches in parallel (each waits for a batch's worth of free threads)
+
+
+class _Write(NamedTuple):
+    write: repository.Write
+    started: float  # perf_counter when the delivery's match began (the stage's latency)
 
 
 class Retrieved(NamedTuple):
@@ -153,6 +159,11 @@ class Worker:
     run_id: str | None = None
     log: Any = _log
     http: httpx.Client | None = None
+    _writes: GroupCommit[_Write, WriteResult] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # the write phases of the deliveries that finish together leave in one transaction (group commit)
+        self._writes = GroupCommit(self._write_group, limit=max(1, self.config.in_flight or 2 * self.config.batch_size))
 
     # -- the drain loop --------------------------------------------------------------------
 
@@ -312,12 +323,9 @@ class Worker:
         calls = [0]
         started = time.perf_counter()
         try:
-            edges = self.match(doc, message, calls, ready)
+            edges = self.match(doc, message, calls, ready, started=started)
         except Exception as exc:  # noqa: BLE001 - every failure is classified and decided on
             return self._after_failure(message, doc, classify(exc), exc, calls[0], time.perf_counter() - started)
-        with self.runtime.engine.begin() as conn:
-            observations.observe(conn, PIPELINE, STAGE, observations.OK, seconds=time.perf_counter() - started)
-            observations.observe(conn, PIPELINE, STAGE, observations.DONE)
         self.log.info(f"matching: {doc['id']} matched ({edges} edges)",
                       extra=self._fields(doc, message.receive_count))
         if doc["matching_error"] is not None:  # it failed before: close its (replayed) dead letter, if any
@@ -327,9 +335,11 @@ class Worker:
                        deleted=deleted, llm_calls=calls[0], edges=edges)
 
     def match(self, doc: dict[str, Any], message: ReceivedMessage | None, calls: list[int],
-              ready: Retrieved | None = None) -> int:
+              ready: Retrieved | None = None, *, started: float | None = None) -> int:
         """Pre-process (committed on its own), retrieve, decide, write; returns the number of edges.
-        `ready`: pre-processing and retrieval already done for the batch (`admit`)."""
+        `ready`: pre-processing and retrieval already done for the batch (`admit`). The write phase
+        goes with those of the other deliveries writing at the same moment (`_write_group`), and
+        with the stage's observations (timed from `started`)."""
         if ready is None:
             prepared = policy.prepare(doc, self.embedder)
             with self.runtime.engine.begin() as conn:
@@ -342,9 +352,36 @@ class Worker:
         decision = self.decide(doc, candidates, message, calls) if candidates else MatchDecision(matches=[])
         edges = policy.edges_from(doc["id"], decision, candidates)
         self.before_write(doc["id"])
-        repository.write_matches(self.runtime.engine, doc["id"], doc["tenant"], edges, self.runtime.now(),
-                                 self.hooks)
+        self._writes(_Write(repository.Write(doc["id"], doc["tenant"], edges),
+                            time.perf_counter() if started is None else started))
         return len(edges)
+
+    def _write_group(self, writes: list[_Write]) -> list[WriteResult | Exception]:
+        """000's write phases of several deliveries in one transaction, with their `ok` and `done`
+        observations (one upsert each). If that transaction fails, each write goes alone, so one
+        delivery's failure (a vanished document, clusters that keep changing, a database error) is
+        its own and the others commit as they would have alone."""
+        def observe(conn: sa.Connection, group: list[_Write]) -> None:
+            now = time.perf_counter()
+            observations.observe_many(conn, PIPELINE, STAGE, observations.OK, [now - w.started for w in group])
+            observations.observe(conn, PIPELINE, STAGE, observations.DONE, count=len(group))
+
+        if len(writes) > 1:
+            try:
+                return list(repository.write_matches_many(
+                    self.runtime.engine, [w.write for w in writes], self.runtime.now(), self.hooks,
+                    then=lambda conn: observe(conn, writes)))
+            except Exception as exc:  # noqa: BLE001 - each write again alone, where its failure is its own
+                self.log.info(f"matching: a group of {len(writes)} write phases failed ({classify(exc).code}); "
+                              "each alone")
+        out: list[WriteResult | Exception] = []
+        for w in writes:
+            try:
+                out.extend(repository.write_matches_many(self.runtime.engine, [w.write], self.runtime.now(),
+                                                         self.hooks, then=lambda conn, w=w: observe(conn, [w])))
+            except Exception as exc:  # noqa: BLE001 - raised to its own delivery
+                out.append(exc)
+        return out
 
     def decide(self, doc: dict[str, Any], candidates: list[policy.Candidate], message: ReceivedMessage | None,
                calls: list[int]) -> MatchDecision:

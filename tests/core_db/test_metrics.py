@@ -50,6 +50,24 @@ def test_observations_are_counted_across_writers_and_bucketed_cumulatively(engin
     assert samples[("redrive_stage_attempts_total", (("outcome", "ok"), *fetch))] == 5
 
 
+def test_many_timed_observations_in_one_upsert_count_as_each_one_alone(engine) -> None:
+    """observe_many (a batch's outcomes in one statement) leaves the row that one observe per outcome leaves."""
+    seconds = [0.003, 0.2, 0.2, 7.0, 500.0, -1.0]  # a negative duration is counted, not timed
+    with engine.begin() as conn:
+        for s in seconds:
+            observations.observe(conn, "matching", "one", observations.OK, seconds=s)
+        observations.observe_many(conn, "matching", "many", observations.OK, seconds[:2])
+    with engine.begin() as conn:  # and onto an existing row
+        observations.observe_many(conn, "matching", "many", observations.OK, seconds[2:])
+        observations.observe_many(conn, "matching", "many", observations.OK, [])
+    with engine.connect() as conn:
+        rows = {o.stage: o for o in observations.read_all(conn) if o.pipeline == "matching"}
+    one, many = rows["one"], rows["many"]
+    assert (many.count, many.buckets) == (one.count, one.buckets) == (6, one.buckets)
+    assert sum(one.buckets) == 5 and one.buckets[0] == 1 and one.buckets[-1] == 1
+    assert abs(many.sum_seconds - one.sum_seconds) < 1e-9 and abs(one.sum_seconds - 507.403) < 1e-9
+
+
 def test_final_failures_dead_letters_alerts_due_work_and_breakers(engine, sandbox) -> None:
     """A final failure is counted once by class (a repeat is an occurrence); open letters, alerts, due rows, breakers."""
     clock = FrozenClock(START)
