@@ -57,7 +57,7 @@ TIME_SCALE = float(os.environ.get("REDRIVE_TIME_SCALE") or 0.01)
 TRANSIENT = {"429": 0.05, "503": 0.04, "500": 0.03, "timeout": 0.03, "malformed": 0.03, "effect_then_error": 0.02}
 PERMANENT = {"400": 0.05}
 SLOW_504_SECONDS = 1.0
-ROUTES = ("llm", "store", "slack", "mail.send", "case.attach", "pdf.convert")
+ROUTES = ("llm", "store", "slack", "webhook", "mail.send", "case.attach", "pdf.convert")
 CRITIQUE = '{"verdict": "approve", "score": 8, "summary": "Fine.", "findings": []}'
 
 # the share of items per pipeline (of --items)
@@ -155,7 +155,9 @@ def _criticizer_submit(ctx: Context, n: int, ledger: Ledger) -> None:
             "request_id": f"chaos-{ctx.session}-{i}",
             "artifact_url": f"{ctx.sandbox.base_url}/store/chaos/{ctx.session}.txt",
             "rubric": f"Is it fine? Questions to {ctx.canaries.email}, billing card {ctx.canaries.card}.",
-            "webhook_url": f"{ctx.sandbox.base_url}/slack/webhook/chaos-{ctx.session}/{i}",
+            # the requester's own receiver, which honours the Idempotency-Key notify sends (a Slack incoming
+            # webhook cannot: its results post is at-least-once and not counted here)
+            "webhook_url": f"{ctx.sandbox.base_url}/webhook/chaos-{ctx.session}/{i}",
             "webhook_headers": {"Authorization": f"Bearer {ctx.canaries.bearer}", "X-Api-Key": ctx.canaries.api_key},
         }, allowed_artifact_prefixes=())
         ledger.expected += 1
@@ -280,7 +282,9 @@ def _conversion_user_texts(ctx: Context) -> list[tuple[str, str]]:
 
 
 LOADS: dict[str, Load] = {
-    "criticizer": Load("criticizer", _criticizer_submit, "slack.message", lambda e: e.get("path"),
+    # webhook deliveries per request, whatever key they came under: a key that changed between retries
+    # would be two deliveries at the receiver, and counted
+    "criticizer": Load("criticizer", _criticizer_submit, "webhook.delivery", lambda e: e.get("path"),
                        lambda ctx, e: str(e.get("path", "")).startswith(f"chaos-{ctx.session}/")),
     # one email per recipient and review version (the subject names the changelist and the version)
     "review_notifications": Load("review_notifications", _review_submit, "mail.send",
@@ -554,9 +558,9 @@ def sink_texts(engine: sa.Engine, pipeline: str) -> Iterator[tuple[str, str]]:
 
 def shared_texts(sandbox: SandboxClient, dagster_url: str | None, event_log_from: int,
                  log_dirs: list[Path]) -> Iterator[tuple[str, str]]:
-    """Sinks no one pipeline owns: Slack and mail effects, Dagster's event log, every process's log files."""
+    """Sinks no one pipeline owns: Slack, webhook and mail effects, Dagster's event log, every process's log files."""
     for effect in sandbox.effects():
-        if effect.get("kind") in ("slack.message", "mail.send"):
+        if effect.get("kind") in ("slack.message", "webhook.delivery", "mail.send"):
             yield f"{effect['kind']} effect {effect['seq']}", v.dumps(effect)
     if dagster_url:
         engine = sa.create_engine(dagster_url, poolclass=sa.pool.NullPool)

@@ -18,6 +18,7 @@ Service routes (ROUTE NAME in brackets, used by the fault admin):
                    POST /slack/api/chat.postMessage        Web API (JSON or form-encoded), token required
                    POST /slack/api/{method}                any other method: {"ok": false, "error": "unknown_method"}
     [store]        GET  /store/{path}                      objects put by the admin
+    [webhook]      POST /webhook/{path}                    a requester's webhook that honours Idempotency-Key
 
 Admin routes (no auth):
 
@@ -441,6 +442,27 @@ async def slack_unknown_method(request: Request, state: SandboxState, step: Step
     return JSONResponse({"ok": False, "error": "unknown_method"})
 
 
+# -- a requester's webhook ---------------------------------------------------------
+
+
+async def requester_webhook(request: Request, state: SandboxState, step: Step) -> Response:
+    """A cooperative receiver (draft-ietf-httpapi-idempotency-key-header): the first post with a key is the
+    effect and a repeat with the same key and payload answers the same result without a second one (the
+    answer a client lost to an error is what its retry gets); the key reused for another payload is 422."""
+    payload = await _json_body(request)
+    if not isinstance(payload, dict):
+        return JSONResponse(service_error("VALIDATION_ERROR", "the body must be a JSON object"), status_code=400)
+    key = request.headers.get("idempotency-key", "").strip() or None
+    try:
+        delivery, replayed = state.deliver_webhook(request.path_params["path"], key, payload)
+    except IdempotencyConflict as exc:
+        return JSONResponse(service_error("IDEMPOTENCY_KEY_REUSED", str(exc)), status_code=422)
+    answer = {"ok": True, "delivery_id": delivery.delivery_id}
+    if replayed:
+        return _json_answer(state, Route.WEBHOOK, answer, 200, **{"Idempotent-Replayed": "true"})
+    return _json_answer(state, Route.WEBHOOK, answer, 200)
+
+
 # -- store -----------------------------------------------------------------------
 
 
@@ -648,6 +670,7 @@ def create_app(*, clock: Clock = utc_now, mail_token: str | None = None) -> Star
         HttpRoute("/slack/api/chat.postMessage", scripted(Route.SLACK, slack_post_message), methods=["POST"]),
         HttpRoute("/slack/api/{method}", scripted(Route.SLACK, slack_unknown_method), methods=["GET", "POST"]),
         HttpRoute("/store/{path:path}", scripted(Route.STORE, fetch_object), methods=["GET"]),
+        HttpRoute("/webhook/{path:path}", scripted(Route.WEBHOOK, requester_webhook), methods=["POST"]),
         # admin
         HttpRoute("/_admin/health", admin(admin_health), methods=["GET"]),
         HttpRoute("/_admin/reset", admin(admin_reset), methods=["POST"]),
