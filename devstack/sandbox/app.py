@@ -29,7 +29,8 @@ Admin routes (no auth):
     POST   /_admin/faults/{route}               {"steps": [STEP, ...]} appended to the route's script
     POST   /_admin/faults/{route}/random        {"seed", "rates", "retry_after"?, "timeout_seconds"?}
     DELETE /_admin/faults/{route}/random
-    POST   /_admin/routes/{route}/default       {"content": "..."} (llm) or {"json": {...}} (any JSON route)
+    POST   /_admin/routes/{route}/default       {"content": "..."} (llm) or {"json": {...}} (any JSON route);
+                                                {"content": "...", "when": "text"}: llm, prompts containing text
     GET    /_admin/effects?kind=K               {"effects": [{"seq", "kind", "at", ...data}]}
     GET    /_admin/effects/count?kind=K         {"count": n}
     DELETE /_admin/effects
@@ -265,7 +266,8 @@ async def chat_completions(request: Request, state: SandboxState, step: Step) ->
             ),
             status_code=400,
         )
-    content = step.content if isinstance(step, ContentStep) else state.llm_content()
+    prompt = "\n".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+    content = step.content if isinstance(step, ContentStep) else state.llm_content(prompt)
     completion_id = state.record_llm_call(model, messages_digest(messages))
     return _json_answer(
         state,
@@ -555,6 +557,7 @@ class _DefaultRequest(BaseModel):
 
     content: str | None = None
     body: Any = Field(default=None, alias="json")
+    when: str | None = Field(default=None, min_length=1)
 
 
 class _MissingCases(BaseModel):
@@ -609,6 +612,11 @@ async def admin_set_default(request: Request, state: SandboxState) -> Response:
         raise _AdminInputError(f"'content' only applies to route 'llm'; use 'json' for {route.value!r}")
     if default.body is not None and route in (Route.PDF_CONVERT, Route.STORE):
         raise _AdminInputError(f"route {route.value!r} does not answer JSON; its default cannot be set")
+    if default.when is not None:
+        if default.content is None:
+            raise _AdminInputError("'when' goes with 'content' (route 'llm')")
+        state.set_llm_answer(default.when, default.content)
+        return JSONResponse({"route": route.value, "status": "set", "when": default.when})
     state.set_default(route, RouteDefault(content=default.content, json=default.body))
     return JSONResponse({"route": route.value, "status": "set"})
 

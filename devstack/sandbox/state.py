@@ -105,6 +105,7 @@ class SandboxState:
         self.effects = EffectLog(self._clock)
         self.traffic = RequestLog(self._clock)
         self._defaults: dict[Route, RouteDefault] = {}
+        self._llm_answers: dict[str, str] = {}  # prompt text → content, first match wins
         self._store: dict[str, StoredObject] = {}
         self._missing_cases: set[str] = set()
         self._attachments: dict[str, Attachment] = {}
@@ -139,9 +140,17 @@ class SandboxState:
 
     # -- llm -----------------------------------------------------------------
 
-    def llm_content(self) -> str:
-        """Admin-set content, else admin-set JSON serialised, else `{"ok": true}`."""
+    def set_llm_answer(self, when: str, content: str) -> None:
         with self._lock:
+            self._llm_answers[when] = content
+
+    def llm_content(self, prompt: str = "") -> str:
+        """The content set for prompts containing some text, else admin-set content, else admin-set JSON
+        serialised, else `{"ok": true}`."""
+        with self._lock:
+            for when, content in self._llm_answers.items():
+                if when in prompt:
+                    return content
             default = self._defaults.get(Route.LLM)
         if default is not None and default.content is not None:
             return default.content
