@@ -46,7 +46,7 @@ def test_the_ci_chaos_run_passes(project_tmp: Path) -> None:
     report = project_tmp / "chaos-report.md"
     done, verdicts = chaos(report, "--items", str(CI_ITEMS), "--seed", "7", "--kill-interval", "10")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert set(verdicts) == {"criticizer", "review_notifications", "evidence", "conversion"}
+    assert set(verdicts) == {"criticizer", "review_notifications", "evidence", "conversion", "matching", "matchmaking"}
     for row in verdicts.values():
         assert row["items_in"] > 0 and row["done"] > 0  # it counted something
         assert (row["lost"], row["duplicate_effects"], row["canaries"], row["unreplayable"],
