@@ -69,9 +69,11 @@ MATCHMAKING_ZONES = 2  # the first timezones of MATCHMAKING_TIMEZONES: 2 days ×
 SHARES = {"criticizer": 0.2, "review_notifications": 0.15, "evidence": 0.3, "conversion": 0.15, "matching": 0.1,
           "matchmaking": 0.1}
 RECIPIENTS_PER_JOB = 3
-# several file jobs even at CI size: a file job whose run dies before ingest is dead-lettered whole (its rows
-# counted with it), so one job of 70 rows made the 200-item run's evidence verdict "0 done, 70 dead-lettered"
-EVIDENCE_ROWS_PER_JOB = 20
+# at least 3 file jobs even at CI size: a file job whose runs die before ingest is dead-lettered whole (its rows
+# counted with it), so one job of 70 rows made the 200-item run's evidence verdict "0 done, 70 dead-lettered";
+# not many more, since each file job is a Dagster run (seconds of start-up) in every round
+EVIDENCE_ROWS_PER_JOB = 50
+EVIDENCE_MIN_JOBS = 3
 
 
 # --------------------------------------------------------------------------------------------- canaries
@@ -195,7 +197,7 @@ def _review_submit(ctx: Context, n: int, ledger: Ledger) -> None:
 def _evidence_submit(ctx: Context, n: int, ledger: Ledger) -> None:
     from tests.evidence.helpers import standard_job  # the test suite's ZIP maker: manifest + one PDF per row
 
-    jobs = max(1, n // EVIDENCE_ROWS_PER_JOB)
+    jobs = max(EVIDENCE_MIN_JOBS, n // EVIDENCE_ROWS_PER_JOB)
     rows = max(1, n // jobs)
     zips = [(f"chaos-{ctx.session}-{j}.zip", standard_job(f"chaos-{ctx.session}-{j}", rows, 1)[0])
             for j in range(jobs)]
