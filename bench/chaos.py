@@ -374,7 +374,7 @@ def _matchmaking_rows(conn: sa.Connection, ctx: Context) -> dict[str, str]:
         ref = f"{r.date.isoformat()}:{r.timezone}:{r.user_id}"
         if ref in known:
             rows[ref] = states.get(r.status, r.status)
-    letters = letter_refs(conn, "matchmaking")
+    letters = {ref.replace("|", ":") for ref in letter_refs(conn, "matchmaking")}  # a run's letter: `date|tz`
     for ref in known - set(rows):
         if ref.rsplit(":", 1)[0] in letters:  # the partition's own letter: its load failed for good
             rows[ref] = v.DEAD
@@ -382,7 +382,7 @@ def _matchmaking_rows(conn: sa.Connection, ctx: Context) -> dict[str, str]:
 
 
 def _matchmaking_letters(conn: sa.Connection, ctx: Context) -> set[str]:
-    letters = letter_refs(conn, "matchmaking")
+    letters = {ref.replace("|", ":") for ref in letter_refs(conn, "matchmaking")}
     return letters | {ref for ref in ctx.ledgers["matchmaking"].known
                       if ref.rsplit(":", 1)[0] in letters}
 
