@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import signal
 import sys
 from pathlib import Path
 
@@ -28,6 +29,10 @@ def main(argv: list[str]) -> int:
     else:
         names, argv = argv or modules(), []
     status = 0
+    # Ctrl-C or SIGTERM stops the stack and the deployment it started, also when started in the background
+    # (where SIGINT is ignored and SIGTERM would end this process and leave its children behind)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     # the chaos run restarts its PostgreSQL: a server of its own, not the one the demo and benchmarks share
     with local_stack("chaos" if names == ["chaos"] else "bench"):
         for name in names:

@@ -3,9 +3,10 @@
     python -m bench chaos [--items N] [--seed S] [--kill-interval SECONDS] [--report PATH]
     make chaos                                   # 10,000 items, writes docs/chaos-report.md
 
-It loads N items across the drained pipelines (criticizer requests with secrets in their webhook
+It loads N items across the six pipelines (criticizer requests with secrets in their webhook
 headers and PII in their rubric, review jobs of several recipients with a versioned rerun of some,
-evidence file jobs), lets the deployment of `make serve` work them (`dagster api grpc`, `dagster-daemon`
+evidence file jobs, conversion jobs through the API, matching documents through SQS with PII in their text,
+matchmaking users in several date × timezone partitions, backfilled as an operator does), lets the deployment of `make serve` work them (`dagster api grpc`, `dagster-daemon`
 ticking the sensors, PostgreSQL run storage: `devstack.topology`), and meanwhile:
 - the sandbox answers 20 % of calls with transient faults (429 with Retry-After, 500/503, slow 504s,
   malformed bodies, "accepted but the answer was lost") and 5 % with permanent ones (400), and the first
@@ -57,13 +58,22 @@ TIME_SCALE = float(os.environ.get("REDRIVE_TIME_SCALE") or 0.01)
 TRANSIENT = {"429": 0.05, "503": 0.04, "500": 0.03, "timeout": 0.03, "malformed": 0.03, "effect_then_error": 0.02}
 PERMANENT = {"400": 0.05}
 SLOW_504_SECONDS = 1.0
-ROUTES = ("llm", "store", "slack", "mail.send", "case.attach", "pdf.convert")
+ROUTES = ("llm", "store", "slack", "webhook", "mail.send", "case.attach", "pdf.convert")
 CRITIQUE = '{"verdict": "approve", "score": 8, "summary": "Fine.", "findings": []}'
+MATCHING_PROMPT = "You match business documents"  # the start of matching's system prompt: its own LLM answer
+MATCH_FIRST = '{"matches": [{"candidate": 1, "confidence": 0.9, "reason": "same order"}]}'
+MATCHMAKING_DAYS = ("2026-03-08", "2026-03-09")
+MATCHMAKING_ZONES = 2  # the first timezones of MATCHMAKING_TIMEZONES: 2 days × 2 zones, 4 partition runs
 
 # the share of items per pipeline (of --items)
-SHARES = {"criticizer": 0.25, "review_notifications": 0.2, "evidence": 0.35, "conversion": 0.2}
+SHARES = {"criticizer": 0.2, "review_notifications": 0.15, "evidence": 0.3, "conversion": 0.15, "matching": 0.1,
+          "matchmaking": 0.1}
 RECIPIENTS_PER_JOB = 3
+# at least 3 file jobs even at CI size: a file job whose runs die before ingest is dead-lettered whole (its rows
+# counted with it), so one job of 70 rows made the 200-item run's evidence verdict "0 done, 70 dead-lettered";
+# not many more, since each file job is a Dagster run (seconds of start-up) in every round
 EVIDENCE_ROWS_PER_JOB = 50
+EVIDENCE_MIN_JOBS = 3
 
 
 # --------------------------------------------------------------------------------------------- canaries
@@ -155,7 +165,9 @@ def _criticizer_submit(ctx: Context, n: int, ledger: Ledger) -> None:
             "request_id": f"chaos-{ctx.session}-{i}",
             "artifact_url": f"{ctx.sandbox.base_url}/store/chaos/{ctx.session}.txt",
             "rubric": f"Is it fine? Questions to {ctx.canaries.email}, billing card {ctx.canaries.card}.",
-            "webhook_url": f"{ctx.sandbox.base_url}/slack/webhook/chaos-{ctx.session}/{i}",
+            # the requester's own receiver, which honours the Idempotency-Key notify sends (a Slack incoming
+            # webhook cannot: its results post is at-least-once and not counted here)
+            "webhook_url": f"{ctx.sandbox.base_url}/webhook/chaos-{ctx.session}/{i}",
             "webhook_headers": {"Authorization": f"Bearer {ctx.canaries.bearer}", "X-Api-Key": ctx.canaries.api_key},
         }, allowed_artifact_prefixes=())
         ledger.expected += 1
@@ -185,7 +197,7 @@ def _review_submit(ctx: Context, n: int, ledger: Ledger) -> None:
 def _evidence_submit(ctx: Context, n: int, ledger: Ledger) -> None:
     from tests.evidence.helpers import standard_job  # the test suite's ZIP maker: manifest + one PDF per row
 
-    jobs = max(1, n // EVIDENCE_ROWS_PER_JOB)
+    jobs = max(EVIDENCE_MIN_JOBS, n // EVIDENCE_ROWS_PER_JOB)
     rows = max(1, n // jobs)
     zips = [(f"chaos-{ctx.session}-{j}.zip", standard_job(f"chaos-{ctx.session}-{j}", rows, 1)[0])
             for j in range(jobs)]
@@ -279,8 +291,119 @@ def _conversion_user_texts(ctx: Context) -> list[tuple[str, str]]:
     return [("conversion API GET /api/jobs", answer.text)]
 
 
+def _matching_submit(ctx: Context, n: int, ledger: Ledger) -> None:
+    """n documents ingested as 000's ingestion does (stored `pending`, then their ids published to SQS), in
+    orders of three that share a reference, so the LLM is asked; PII canaries in their text."""
+    from assets.matching import ingestion
+
+    queue = ctx.defs.resources["matching"].queue()
+    queue.ensure()
+    docs = [{"id": f"chaos-{ctx.session}-{i}", "tenant": f"chaos-{ctx.session}", "doc_type": "invoice",
+             "counterparty": f"Chaos Supplier {i // 3} GmbH", "references": [f"PO-{ctx.session}-{i // 3}"],
+             "amount": "120.00", "currency": "EUR", "document_date": "2026-03-08",
+             "text": f"order {i // 3}; contact {ctx.canaries.email}, card {ctx.canaries.card}"} for i in range(n)]
+    for start in range(0, n, 100):
+        report = ingestion.ingest(ctx.engine, queue, docs[start:start + 100])
+        ledger.known.update(report.stored)
+    ledger.expected += n
+
+
+def _matching_rows(conn: sa.Connection, ctx: Context) -> dict[str, str]:
+    """A document is done when it succeeded, dead when it failed (000: failed, admins told, message gone)."""
+    from assets.matching.repository import document
+
+    states = {"succeeded": v.DONE, "failed": v.DEAD}
+    return {r.id: states.get(r.matching_status, r.matching_status or "none") for r in conn.execute(
+        sa.select(document.c.id, document.c.matching_status).where(document.c.tenant == f"chaos-{ctx.session}"))}
+
+
+def _matching_duplicates(conn: sa.Connection, ctx: Context) -> int:
+    """Matching's effect is its write phase: an edge stored twice (either way round), and every document whose
+    cluster id disagrees with the edges (a write phase that half-happened)."""
+    from assets.matching import repository
+
+    tenant = f"chaos-{ctx.session}"
+    edges = [tuple(sorted(e)) for e in repository.edges_of(conn, tenant)]
+    return (len(edges) - len(set(edges))) + len(repository.cluster_inconsistencies(conn, tenant))
+
+
+def _matchmaking_partitions() -> list[str]:
+    from assets.matchmaking.settings import MatchmakingSettings
+
+    zones = MatchmakingSettings().timezones[:MATCHMAKING_ZONES]
+    return [f"{day}|{zone}" for day in MATCHMAKING_DAYS for zone in zones]
+
+
+def _matchmaking_submit(ctx: Context, n: int, ledger: Ledger) -> None:
+    """Users in several timezones, and a backfill of their (date, timezone) partitions launched as an operator
+    does (`dagster job backfill` against the deployment's workspace; the daemon runs it)."""
+    import subprocess
+
+    from assets.matchmaking import synthetic
+
+    partitions = _matchmaking_partitions()
+    zones = sorted({p.split("|")[1] for p in partitions})
+    per_zone = max(4, n // len(partitions))
+    with ctx.engine.begin() as conn:
+        for zone in zones:
+            rows = synthetic.users(per_zone, timezone=zone, tag=f"chaos-{ctx.session}-{zone}",
+                                   regions=max(1, per_zone // 40))
+            synthetic.insert(conn, rows)
+            for day in MATCHMAKING_DAYS:
+                ledger.known.update(f"{day}:{zone}:{row['id']}" for row in rows)
+    ledger.expected += len(ledger.known)
+    topology = ctx.topology
+    env = {**os.environ, **topology.env, "DAGSTER_HOME": str(topology.home)}
+    done = subprocess.run([sys.executable, "-m", "dagster", "job", "backfill", "-w", str(topology.home / "workspace.yaml"),
+                           "-j", "matchmaking_job", "--partitions", ",".join(partitions), "--noprompt"],
+                          env=env, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"dagster job backfill failed: {done.stdout[-1500:]} {done.stderr[-1500:]}")
+
+
+def _matchmaking_rows(conn: sa.Connection, ctx: Context) -> dict[str, str]:
+    """A user's day is done when its job completed; dead when it failed. A partition whose load failed for
+    good (its letter is `{date}:{tz}`) counts its users dead with it; a user with no job yet is missing."""
+    from assets.matchmaking.repository import matchmaking_jobs
+
+    known = ctx.ledgers["matchmaking"].known
+    states = {"completed": v.DONE, "failed": v.DEAD}
+    rows = {}
+    for r in conn.execute(sa.select(matchmaking_jobs.c.date, matchmaking_jobs.c.timezone, matchmaking_jobs.c.user_id,
+                                    matchmaking_jobs.c.status)):
+        ref = f"{r.date.isoformat()}:{r.timezone}:{r.user_id}"
+        if ref in known:
+            rows[ref] = states.get(r.status, r.status)
+    letters = {ref.replace("|", ":") for ref in letter_refs(conn, "matchmaking")}  # a run's letter: `date|tz`
+    for ref in known - set(rows):
+        if ref.rsplit(":", 1)[0] in letters:  # the partition's own letter: its load failed for good
+            rows[ref] = v.DEAD
+    return rows
+
+
+def _matchmaking_letters(conn: sa.Connection, ctx: Context) -> set[str]:
+    letters = {ref.replace("|", ":") for ref in letter_refs(conn, "matchmaking")}
+    return letters | {ref for ref in ctx.ledgers["matchmaking"].known
+                      if ref.rsplit(":", 1)[0] in letters}
+
+
+def _matchmaking_duplicates(conn: sa.Connection, ctx: Context) -> int:
+    """Offers per user and day beyond the one set their job recorded (the set's size), and second jobs."""
+    from assets.matchmaking.repository import matchmaking_jobs, matchmaking_offers
+
+    jobs = conn.execute(sa.select(sa.func.count()).select_from(matchmaking_jobs).group_by(
+        matchmaking_jobs.c.date, matchmaking_jobs.c.user_id).having(sa.func.count() > 1)).scalars().all()
+    recorded = {(r.date, r.user_id): len(r.offers or []) for r in conn.execute(
+        sa.select(matchmaking_jobs.c.date, matchmaking_jobs.c.user_id, matchmaking_jobs.c.offers))}
+    offered = conn.execute(sa.select(matchmaking_offers.c.date, matchmaking_offers.c.user_id, sa.func.count()).group_by(
+        matchmaking_offers.c.date, matchmaking_offers.c.user_id)).all()
+    return sum(n - 1 for n in jobs) + sum(max(0, n - recorded.get((d, u), 0)) for d, u, n in offered)
+
+
 LOADS: dict[str, Load] = {
-    "criticizer": Load("criticizer", _criticizer_submit, "slack.message", lambda e: e.get("path"),
+    # webhook deliveries per request, whatever key they came under: a key that changed between retries
+    # would be two deliveries at the receiver, and counted
+    "criticizer": Load("criticizer", _criticizer_submit, "webhook.delivery", lambda e: e.get("path"),
                        lambda ctx, e: str(e.get("path", "")).startswith(f"chaos-{ctx.session}/")),
     # one email per recipient and review version (the subject names the changelist and the version)
     "review_notifications": Load("review_notifications", _review_submit, "mail.send",
@@ -294,6 +417,12 @@ LOADS: dict[str, Load] = {
     "conversion": Load("conversion", _conversion_submit, "pdf.convert", lambda e: e.get("seq"), lambda ctx, e: False,
                        rows=_conversion_rows, own_duplicates=_conversion_duplicates,
                        user_texts=_conversion_user_texts),
+    # matching's effect is its write phase (edges, cluster ids), counted in the database; its LLM calls are reads
+    "matching": Load("matching", _matching_submit, "llm.call", lambda e: e.get("seq"), lambda ctx, e: False,
+                     rows=_matching_rows, own_duplicates=_matching_duplicates),
+    # offers per user and day, counted in the database (no external service sees them)
+    "matchmaking": Load("matchmaking", _matchmaking_submit, "llm.call", lambda e: e.get("seq"), lambda ctx, e: False,
+                        rows=_matchmaking_rows, own_duplicates=_matchmaking_duplicates, letters=_matchmaking_letters),
 }
 
 
@@ -302,6 +431,7 @@ LOADS: dict[str, Load] = {
 def arm_sandbox(sandbox: SandboxClient, seed: int, canaries: Canaries, poisoned: int) -> list[str]:
     """Random faults on every route, behind `poisoned` scripted errors whose bodies carry canaries."""
     sandbox.set_default("llm", content=CRITIQUE)
+    sandbox.set_default("llm", content=MATCH_FIRST, when=MATCHING_PROMPT)
     schedule = []
     for k, route in enumerate(ROUTES):
         steps = []
@@ -554,9 +684,9 @@ def sink_texts(engine: sa.Engine, pipeline: str) -> Iterator[tuple[str, str]]:
 
 def shared_texts(sandbox: SandboxClient, dagster_url: str | None, event_log_from: int,
                  log_dirs: list[Path]) -> Iterator[tuple[str, str]]:
-    """Sinks no one pipeline owns: Slack and mail effects, Dagster's event log, every process's log files."""
+    """Sinks no one pipeline owns: Slack, webhook and mail effects, Dagster's event log, every process's log files."""
     for effect in sandbox.effects():
-        if effect.get("kind") in ("slack.message", "mail.send"):
+        if effect.get("kind") in ("slack.message", "webhook.delivery", "mail.send"):
             yield f"{effect['kind']} effect {effect['seq']}", v.dumps(effect)
     if dagster_url:
         engine = sa.create_engine(dagster_url, poolclass=sa.pool.NullPool)
@@ -636,8 +766,10 @@ def write_report(path: Path, *, argv: list[str], args: argparse.Namespace, verdi
         "Counts: *in* is what the harness submitted (plus rows a pipeline adds itself, such as a review "
         "recipient's own dead row); *lost* is an entity neither done nor dead-lettered (open, missing, or dead "
         "without its dead letter); duplicate effects are counted at the sandbox's effect log (criticizer: "
-        "webhook posts per request; review: emails per recipient and version; evidence: attachments per "
-        "artifact); *unreplayable*: dead letters `redrive dlq replay` refuses or cannot run (requested in a "
+        "webhook deliveries per request at a receiver that honours Idempotency-Key; review: emails per recipient "
+        "and version; evidence: attachments per artifact) or, where no service sees the effect, in the database "
+        "(conversion: results per job; matching: edges stored twice and documents whose cluster id disagrees with "
+        "the edges; matchmaking: offers per user and day beyond the set its job recorded); *unreplayable*: dead letters `redrive dlq replay` refuses or cannot run (requested in a "
         "rolled-back transaction); *alerts ≠ 1*: dead-lettered entities not alerted exactly once.", "",
     ]
     examples = {x.pipeline: x.examples for x in verdicts if x.examples}
@@ -703,7 +835,8 @@ def main(argv: list[str] | None = None) -> int:
         dagster_url = normalize_url(with_database(admin, f"chaos_{session}_dagster"))
         dbs = [f"chaos_{session}", f"chaos_{session}_dagster"]
         services = ("code-server", "daemon") + (("conversion-api", "conversion-worker") if "conversion" in names else ())
-        env = {"UPLOADS_DIR": str(home / "uploads"), "RESULTS_DIR": str(home / "results"), "DAGSTER_PG_URL": dagster_url}
+        env = {"UPLOADS_DIR": str(home / "uploads"), "RESULTS_DIR": str(home / "results"), "DAGSTER_PG_URL": dagster_url,
+               "MATCHING_SENSOR_INTERVAL_SECONDS": "5"}
         saved_pg_url = os.environ.get("DAGSTER_PG_URL")
         os.environ["DAGSTER_PG_URL"] = dagster_url  # this process's view of the instance (run counts)
         started = time.monotonic()

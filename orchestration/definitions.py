@@ -19,6 +19,7 @@ from sensors.core import (
     dead_letter_replay_sensor,
     deferred_retry_sensor,
     pipeline_backlog_sensor,
+    declined_retry_sensor,
     run_failure_alert_sensor,
 )
 
@@ -45,6 +46,7 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
         sensors=[
             alert_delivery_sensor(),
             run_failure_alert_sensor(asset_pipelines_of(a for a in assets if isinstance(a, dg.AssetsDefinition))),
+            declined_retry_sensor(asset_pipelines_of(a for a in assets if isinstance(a, dg.AssetsDefinition))),
             dead_letter_replay_sensor(replay_targets),
             dead_letter_reconciliation_sensor(failed_for_good),
             *[deferred_retry_sensor(name, target) for name, target in replay_targets.items()],

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import dagster as dg
-from dagster._core.storage.tags import WILL_RETRY_TAG
+from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, WILL_RETRY_TAG
 
 from assets import backlog
 from redrive import deadletters, timers, work
@@ -75,14 +75,61 @@ def asset_pipelines_of(assets: Iterable[dg.AssetsDefinition]) -> dict[dg.AssetKe
     return {key: tags[PIPELINE_TAG] for a in assets for key, tags in a.tags_by_key.items() if PIPELINE_TAG in tags}
 
 
-def _failed_step(context: dg.RunFailureSensorContext) -> tuple[str, str]:
+def _failed_step(step_failures: Iterable[dg.DagsterEvent]) -> tuple[str, str]:
     """The first failed step and the error class our sanitized `Failure` recorded on it (else UNKNOWN)."""
-    for event in context.get_step_failure_events():
+    for event in step_failures:
         data = event.step_failure_data.user_failure_data
         error_class = data.metadata.get("error_class") if data is not None else None
         code = getattr(error_class, "value", None) or Code.UNKNOWN
         return event.step_key or "run", str(code)
     return "run", str(Code.UNKNOWN)
+
+
+def record_run_failure(runtime, run: dg.DagsterRun, step_failures: Iterable[dg.DagsterEvent], message: str | None,
+                       asset_pipelines: Mapping[dg.AssetKey, str]) -> None:
+    """A run that failed for good: a drain run gives its leases back and alerts once; any other run is
+    dead-lettered (and alerted) once, on its partition or on the run itself when it has none."""
+    pipeline = pipeline_of_run(run.tags, run.job_name, run.asset_selection or (), asset_pipelines)
+    partition = run.tags.get("dagster/partition")
+    if run.tags.get(DRAIN_TAG) == "true":
+        with runtime.engine.begin() as conn:
+            released = work.release_owner(conn, f"run:{run.run_id}", now=runtime.now())
+        if partition is None:  # nothing of the run itself to replay: its entities are due again, now
+            stage, code = _failed_step(step_failures)
+            runtime.alert(Alert(
+                pipeline=pipeline, kind="drain_run_failed", dedupe_key=f"drain_run_failed:{run.run_id}",
+                error_class=code, link=runtime.run_link(run.run_id),
+                summary=sanitize_text(f"drain run {run.run_id} of {run.job_name} failed at {stage} ({code}); "
+                                      f"its {released} leased entities are due again now, none lost")[:400]))
+            return
+    letter_ids = replayed_letters(run.tags)
+    if letter_ids and partition is None:
+        # A replay run of several entities (no partition names them): its letters, not a `run:<id>`
+        # letter nobody could replay, are the record. Those it left replaying are open again.
+        stage, code = _failed_step(step_failures)
+        with runtime.engine.begin() as conn:
+            reopened = deadletters.reopen_failed_replays(conn, letter_ids, run_id=run.run_id,
+                                                         reason=f"{stage} ({code})", at=runtime.now())
+        runtime.alert(Alert(
+            pipeline=pipeline, kind="replay_run_failed", dedupe_key=f"replay_run_failed:{run.run_id}",
+            error_class=code, link=runtime.run_link(run.run_id),
+            summary=sanitize_text(f"replay run {run.run_id} of {run.job_name} failed at {stage} ({code}); "
+                                  f"{len(reopened)} of its {len(letter_ids)} dead letters are open again "
+                                  f"for another replay")[:400]))
+        return
+    entity_ref = partition or f"run:{run.run_id}"
+    with runtime.engine.connect() as conn:
+        letter = deadletters.active_for(conn, pipeline, entity_ref)
+    if letter is not None and letter.run_id == run.run_id:
+        return  # this run's failure is already recorded: exactly once
+    stage, code = _failed_step(step_failures)
+    text = sanitize_text(f"run of {run.job_name} failed: {message or 'run failed'}")
+    runtime.fail_for_good(FinalFailure(
+        pipeline=pipeline, stage=stage, entity_ref=entity_ref, attempts=1, at=runtime.now(), run_id=run.run_id,
+        failure=Failure.of(Code(code) if code in Code.__members__ else Code.UNKNOWN, message=text[:400],
+                           retryable=False),
+        context={"dagster_run_id": run.run_id, "job": run.job_name},
+    ))
 
 
 def run_failure_alert_sensor(asset_pipelines: Mapping[dg.AssetKey, str] | None = None) -> dg.SensorDefinition:
@@ -98,48 +145,52 @@ def run_failure_alert_sensor(asset_pipelines: Mapping[dg.AssetKey, str] | None =
         run = context.dagster_run
         if not should_alert_run_failure(run.tags):
             return
-        runtime = reliability.runtime()
-        pipeline = pipeline_of_run(run.tags, run.job_name, run.asset_selection or (), asset_pipelines or {})
-        partition = run.tags.get("dagster/partition")
-        if run.tags.get(DRAIN_TAG) == "true":
-            with runtime.engine.begin() as conn:
-                released = work.release_owner(conn, f"run:{run.run_id}", now=runtime.now())
-            if partition is None:  # nothing of the run itself to replay: its entities are due again, now
-                stage, code = _failed_step(context)
-                runtime.alert(Alert(
-                    pipeline=pipeline, kind="drain_run_failed", dedupe_key=f"drain_run_failed:{run.run_id}",
-                    error_class=code, link=runtime.run_link(run.run_id),
-                    summary=sanitize_text(f"drain run {run.run_id} of {run.job_name} failed at {stage} ({code}); "
-                                          f"its {released} leased entities are due again now, none lost")[:400]))
-                return
-        letter_ids = replayed_letters(run.tags)
-        if letter_ids and partition is None:
-            # A replay run of several entities (no partition names them): its letters, not a `run:<id>`
-            # letter nobody could replay, are the record. Those it left replaying are open again.
-            stage, code = _failed_step(context)
-            with runtime.engine.begin() as conn:
-                reopened = deadletters.reopen_failed_replays(conn, letter_ids, run_id=run.run_id,
-                                                             reason=f"{stage} ({code})", at=runtime.now())
-            runtime.alert(Alert(
-                pipeline=pipeline, kind="replay_run_failed", dedupe_key=f"replay_run_failed:{run.run_id}",
-                error_class=code, link=runtime.run_link(run.run_id),
-                summary=sanitize_text(f"replay run {run.run_id} of {run.job_name} failed at {stage} ({code}); "
-                                      f"{len(reopened)} of its {len(letter_ids)} dead letters are open again "
-                                      f"for another replay")[:400]))
-            return
-        entity_ref = partition or f"run:{run.run_id}"
-        with runtime.engine.connect() as conn:
-            letter = deadletters.active_for(conn, pipeline, entity_ref)
-        if letter is not None and letter.run_id == run.run_id:
-            return  # this run's failure is already recorded: exactly once
-        stage, code = _failed_step(context)
-        message = sanitize_text(f"run of {run.job_name} failed: {context.failure_event.message or 'run failed'}")
-        runtime.fail_for_good(FinalFailure(
-            pipeline=pipeline, stage=stage, entity_ref=entity_ref, attempts=1, at=runtime.now(), run_id=run.run_id,
-            failure=Failure.of(Code(code) if code in Code.__members__ else Code.UNKNOWN, message=message[:400],
-                               retryable=False),
-            context={"dagster_run_id": run.run_id, "job": run.job_name},
-        ))
+        record_run_failure(reliability.runtime(), run, context.get_step_failure_events(),
+                           context.failure_event.message, asset_pipelines or {})
+
+    return _sensor
+
+
+NOT_RETRYING = "Not retrying run"  # the start of Dagster's engine event when it declines a run tagged will_retry
+
+
+def declined_retry(tags: Mapping[str, str], engine_messages: Iterable[str]) -> bool:
+    """Pure: Dagster tagged the run `will_retry=true`, launched no retry, and said it will not."""
+    return (tags.get(WILL_RETRY_TAG) == "true" and AUTO_RETRY_RUN_ID_TAG not in tags
+            and any(m.startswith(NOT_RETRYING) for m in engine_messages))
+
+
+def declined_retry_sensor(asset_pipelines: Mapping[dg.AssetKey, str] | None = None, *, minimum_interval_seconds: int = 30,
+                          limit: int = 100) -> dg.SensorDefinition:
+    """The run-failure sensor is silent for a run tagged `dagster/will_retry=true`; when Dagster then declines the
+    retry (a run of a backfill that has ended: "Not retrying run since it is part of a backfill…"), nobody would
+    ever hear of it. This sensor finds such runs and records them as the failure sensor would, once."""
+
+    @dg.sensor(name="redrive_declined_run_retries", minimum_interval_seconds=minimum_interval_seconds,
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description="Dead-letters and alerts failed runs Dagster said it would retry and then did not.")
+    def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource) -> dg.SkipReason:
+        from datetime import UTC, datetime, timedelta
+
+        runs = context.instance.get_runs(filters=dg.RunsFilter(
+            statuses=[dg.DagsterRunStatus.FAILURE], tags={WILL_RETRY_TAG: "true"},
+            updated_after=datetime.now(UTC) - timedelta(days=1)), limit=limit)
+        recorded, runtime = 0, None
+        for run in runs:
+            if AUTO_RETRY_RUN_ID_TAG in run.tags or run.tags.get(DEAD_LETTERED_TAG) == "true":
+                continue  # retried (the retry is judged on its own), or recorded by an earlier tick
+            logs = context.instance.all_logs(run.run_id, of_type={dg.DagsterEventType.ENGINE_EVENT,
+                                                                   dg.DagsterEventType.STEP_FAILURE})
+            events = [e.dagster_event for e in logs if e.dagster_event is not None]
+            engine = [e.message or "" for e in events if e.event_type == dg.DagsterEventType.ENGINE_EVENT]
+            if not declined_retry(run.tags, engine):
+                continue  # the retry daemon has not decided yet: look again next tick
+            runtime = runtime or reliability.runtime()
+            record_run_failure(runtime, run, [e for e in events if e.event_type == dg.DagsterEventType.STEP_FAILURE],
+                               "Dagster declined its automatic retry", asset_pipelines or {})
+            context.instance.add_run_tags(run.run_id, {DEAD_LETTERED_TAG: "true"})  # once, whatever follows
+            recorded += 1
+        return dg.SkipReason(f"{recorded} failed runs whose retry Dagster declined recorded")
 
     return _sensor
 

@@ -152,7 +152,14 @@ def send_file_job_notifications(context: dg.OpExecutionContext, config: FileJobC
     return out
 
 
-@dg.job(partitions_def=file_jobs, executor_def=dg.in_process_executor, tags={"redrive/pipeline": FILE_JOBS})
+# Every op of the run is safe to repeat, so a run that died outside its ops (a killed worker, a database restart)
+# is re-run up to 3 times (`run_retries` of the instance says 1): before ingest, the whole ZIP rides on this run,
+# and two crashes in a row would dead-letter every row of it (what the chaos run's 70-row file job showed).
+RUN_RETRIES = 3
+
+
+@dg.job(partitions_def=file_jobs, executor_def=dg.in_process_executor,
+        tags={"redrive/pipeline": FILE_JOBS, "dagster/max_retries": str(RUN_RETRIES)})
 def evidence_file_job() -> None:
     """A file job: ingest its ZIP (once), attach the evidence of its due rows, send its pending N1/N2."""
     send_file_job_notifications(attach_file_job_rows(ingest_file_job()))

@@ -16,6 +16,7 @@ import dagster as dg
 
 from assets.matching import ingestion, repository, worker
 from assets.matching.policy import PIPELINE, STATUSES
+from redrive.drain_ops import DRAIN_TAG
 from redrive.stages import OP_RETRY_POLICY, sanitized_body
 from resources.llm import LlmResource
 from resources.matching import MatchingResource
@@ -87,7 +88,9 @@ def drain_matching_queue(context: dg.OpExecutionContext, config: DrainConfig, re
     )
 
 
-@dg.job(tags={"redrive/pipeline": PIPELINE})
+# A drain run: its entities are SQS messages that come back after their visibility timeout when the run dies, so a
+# killed run is alerted once and never dead-lettered as `run:<id>` (a letter no replay could act on; chaos run).
+@dg.job(tags={"redrive/pipeline": PIPELINE, DRAIN_TAG: "true"})
 def matching_drain_job() -> None:
     """Drain the matching queue: match each document, retry through SQS visibility, fail to the DLQ."""
     drain_matching_queue()

@@ -99,8 +99,9 @@ def offer_instant(day: date, timezone: str, hour: int) -> datetime:
 
 
 def parse_entity_ref(ref: str) -> tuple[Partition, str | None]:
-    """``{date}:{timezone}`` or ``{date}:{timezone}:{user_id}`` back to its parts."""
-    parts = ref.split(":")
+    """``{date}:{timezone}`` or ``{date}:{timezone}:{user_id}`` back to its parts; also Dagster's partition key
+    ``{date}|{timezone}``, which the run-failure sensors file a failed partition run's dead letter under."""
+    parts = ref.replace("|", ":", 1).split(":")
     if len(parts) not in (2, 3):
         raise ValueError(f"not a matchmaking entity: {ref!r}")
     partition = Partition.parse(parts[0], parts[1])

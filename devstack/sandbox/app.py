@@ -18,6 +18,7 @@ Service routes (ROUTE NAME in brackets, used by the fault admin):
                    POST /slack/api/chat.postMessage        Web API (JSON or form-encoded), token required
                    POST /slack/api/{method}                any other method: {"ok": false, "error": "unknown_method"}
     [store]        GET  /store/{path}                      objects put by the admin
+    [webhook]      POST /webhook/{path}                    a requester's webhook that honours Idempotency-Key
 
 Admin routes (no auth):
 
@@ -28,7 +29,8 @@ Admin routes (no auth):
     POST   /_admin/faults/{route}               {"steps": [STEP, ...]} appended to the route's script
     POST   /_admin/faults/{route}/random        {"seed", "rates", "retry_after"?, "timeout_seconds"?}
     DELETE /_admin/faults/{route}/random
-    POST   /_admin/routes/{route}/default       {"content": "..."} (llm) or {"json": {...}} (any JSON route)
+    POST   /_admin/routes/{route}/default       {"content": "..."} (llm) or {"json": {...}} (any JSON route);
+                                                {"content": "...", "when": "text"}: llm, prompts containing text
     GET    /_admin/effects?kind=K               {"effects": [{"seq", "kind", "at", ...data}]}
     GET    /_admin/effects/count?kind=K         {"count": n}
     DELETE /_admin/effects
@@ -273,7 +275,8 @@ async def chat_completions(request: Request, state: SandboxState, step: Step) ->
             ),
             status_code=400,
         )
-    content = step.content if isinstance(step, ContentStep) else state.llm_content()
+    prompt = "\n".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+    content = step.content if isinstance(step, ContentStep) else state.llm_content(prompt)
     completion_id = state.record_llm_call(model, messages_digest(messages))
     return _json_answer(
         state,
@@ -450,6 +453,27 @@ async def slack_unknown_method(request: Request, state: SandboxState, step: Step
     return JSONResponse({"ok": False, "error": "unknown_method"})
 
 
+# -- a requester's webhook ---------------------------------------------------------
+
+
+async def requester_webhook(request: Request, state: SandboxState, step: Step) -> Response:
+    """A cooperative receiver (draft-ietf-httpapi-idempotency-key-header): the first post with a key is the
+    effect and a repeat with the same key and payload answers the same result without a second one (the
+    answer a client lost to an error is what its retry gets); the key reused for another payload is 422."""
+    payload = await _json_body(request)
+    if not isinstance(payload, dict):
+        return JSONResponse(service_error("VALIDATION_ERROR", "the body must be a JSON object"), status_code=400)
+    key = request.headers.get("idempotency-key", "").strip() or None
+    try:
+        delivery, replayed = state.deliver_webhook(request.path_params["path"], key, payload)
+    except IdempotencyConflict as exc:
+        return JSONResponse(service_error("IDEMPOTENCY_KEY_REUSED", str(exc)), status_code=422)
+    answer = {"ok": True, "delivery_id": delivery.delivery_id}
+    if replayed:
+        return _json_answer(state, Route.WEBHOOK, answer, 200, **{"Idempotent-Replayed": "true"})
+    return _json_answer(state, Route.WEBHOOK, answer, 200)
+
+
 # -- store -----------------------------------------------------------------------
 
 
@@ -542,6 +566,7 @@ class _DefaultRequest(BaseModel):
 
     content: str | None = None
     body: Any = Field(default=None, alias="json")
+    when: str | None = Field(default=None, min_length=1)
 
 
 class _MissingCases(BaseModel):
@@ -596,6 +621,11 @@ async def admin_set_default(request: Request, state: SandboxState) -> Response:
         raise _AdminInputError(f"'content' only applies to route 'llm'; use 'json' for {route.value!r}")
     if default.body is not None and route in (Route.PDF_CONVERT, Route.STORE):
         raise _AdminInputError(f"route {route.value!r} does not answer JSON; its default cannot be set")
+    if default.when is not None:
+        if default.content is None:
+            raise _AdminInputError("'when' goes with 'content' (route 'llm')")
+        state.set_llm_answer(default.when, default.content)
+        return JSONResponse({"route": route.value, "status": "set", "when": default.when})
     state.set_default(route, RouteDefault(content=default.content, json=default.body))
     return JSONResponse({"route": route.value, "status": "set"})
 
@@ -657,6 +687,7 @@ def create_app(*, clock: Clock = utc_now, mail_token: str | None = None) -> Star
         HttpRoute("/slack/api/chat.postMessage", scripted(Route.SLACK, slack_post_message), methods=["POST"]),
         HttpRoute("/slack/api/{method}", scripted(Route.SLACK, slack_unknown_method), methods=["GET", "POST"]),
         HttpRoute("/store/{path:path}", scripted(Route.STORE, fetch_object), methods=["GET"]),
+        HttpRoute("/webhook/{path:path}", scripted(Route.WEBHOOK, requester_webhook), methods=["POST"]),
         # admin
         HttpRoute("/_admin/health", admin(admin_health), methods=["GET"]),
         HttpRoute("/_admin/reset", admin(admin_reset), methods=["POST"]),

@@ -69,11 +69,14 @@ class SandboxClient:
     def clear_faults(self) -> None:
         self._call("DELETE", "/_admin/faults")
 
-    def set_default(self, route: str, content: str | None = None, json: Any = None) -> None:
-        """Set what the route answers on success: `content` for the llm, `json` for any JSON route."""
+    def set_default(self, route: str, content: str | None = None, json: Any = None, when: str | None = None) -> None:
+        """Set what the route answers on success: `content` for the llm, `json` for any JSON route; with
+        `when`, the llm answers `content` only to prompts that contain that text (one sandbox, several tasks)."""
         body: dict[str, Any] = {}
         if content is not None:
             body["content"] = content
+        if when is not None:
+            body["when"] = when
         if json is not None:
             body["json"] = json
         self._call("POST", f"/_admin/routes/{route}/default", json=body)

@@ -29,6 +29,7 @@ class Route(StrEnum):
     PDF_HEALTH = "pdf.health"
     SLACK = "slack"
     STORE = "store"
+    WEBHOOK = "webhook"
 
 
 class UnknownRoute(LookupError):

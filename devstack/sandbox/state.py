@@ -7,6 +7,7 @@ run under one lock, so two concurrent retries cannot both create.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from dataclasses import dataclass
@@ -70,6 +71,14 @@ class MailMessage:
 
 
 @dataclass(frozen=True)
+class WebhookDelivery:
+    """The first answer a cooperative receiver gave for one (path, Idempotency-Key)."""
+
+    delivery_id: str
+    body_sha256: str
+
+
+@dataclass(frozen=True)
 class StoredObject:
     body: bytes
     content_type: str
@@ -96,11 +105,14 @@ class SandboxState:
         self.effects = EffectLog(self._clock)
         self.traffic = RequestLog(self._clock)
         self._defaults: dict[Route, RouteDefault] = {}
+        self._llm_answers: dict[str, str] = {}  # prompt text → content, first match wins
         self._store: dict[str, StoredObject] = {}
         self._missing_cases: set[str] = set()
         self._attachments: dict[str, Attachment] = {}
         self._messages: dict[str, MailMessage] = {}
         self._slack_messages = 0
+        self._webhooks: dict[tuple[str, str], WebhookDelivery] = {}
+        self._webhook_posts = 0
         self._llm_calls = 0
 
     def reset(self) -> None:
@@ -128,9 +140,17 @@ class SandboxState:
 
     # -- llm -----------------------------------------------------------------
 
-    def llm_content(self) -> str:
-        """Admin-set content, else admin-set JSON serialised, else `{"ok": true}`."""
+    def set_llm_answer(self, when: str, content: str) -> None:
         with self._lock:
+            self._llm_answers[when] = content
+
+    def llm_content(self, prompt: str = "") -> str:
+        """The content set for prompts containing some text, else admin-set content, else admin-set JSON
+        serialised, else `{"ok": true}`."""
+        with self._lock:
+            for when, content in self._llm_answers.items():
+                if when in prompt:
+                    return content
             default = self._defaults.get(Route.LLM)
         if default is not None and default.content is not None:
             return default.content
@@ -210,6 +230,26 @@ class SandboxState:
             self._slack_messages += 1
             self.effects.record("slack.message", **where, payload=payload)
             return f"{SLACK_TS_BASE}.{self._slack_messages:06d}"
+
+    # -- a requester's webhook -------------------------------------------------
+
+    def deliver_webhook(self, path: str, key: str | None, payload: dict[str, Any]) -> tuple[WebhookDelivery, bool]:
+        """One effect per (path, key), as a receiver that honours `Idempotency-Key` keeps it; returns
+        (delivery, replayed). Without a key every post is an effect: nothing tells two posts apart."""
+        digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+        with self._lock:
+            existing = self._webhooks.get((path, key)) if key else None
+            if existing is not None:
+                if existing.body_sha256 != digest:
+                    raise IdempotencyConflict(f"Idempotency-Key {key!r} was first used with a different payload")
+                return existing, True
+            self._webhook_posts += 1
+            delivery = WebhookDelivery(f"whd_{self._webhook_posts:06d}", digest)
+            if key:
+                self._webhooks[(path, key)] = delivery
+            self.effects.record("webhook.delivery", path=path, idempotency_key=key, delivery_id=delivery.delivery_id,
+                                payload=payload)
+            return delivery, False
 
     # -- store ---------------------------------------------------------------
 

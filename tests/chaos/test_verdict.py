@@ -129,6 +129,20 @@ def test_a_duplicated_email_counts_per_recipient_and_version() -> None:
     assert v.duplicates([{"case_id": "c", "artifact_id": "a", "idempotency_key": k} for k in "xy"], attach) == 1
 
 
+def test_webhook_deliveries_count_per_request_whatever_their_key() -> None:
+    """The receiver keeps one delivery per key; a key that changed between retries is a second delivery to
+    the same request's webhook, and the verdict counts it."""
+    load = chaos.LOADS["criticizer"]
+    ctx = chaos.Context(None, None, "s1", chaos.Canaries.from_seed(1), None, None)  # type: ignore[arg-type]
+    posts = [{"kind": "webhook.delivery", "path": "chaos-s1/0", "idempotency_key": k} for k in ("k-a", "k-b")]
+    other = {"kind": "webhook.delivery", "path": "chaos-s1/1", "idempotency_key": "k-c"}
+    foreign = {"kind": "webhook.delivery", "path": "chaos-s2/0", "idempotency_key": "k-d"}
+    mine = [e for e in [*posts, other, foreign] if load.mine(ctx, e)]
+    assert load.effect_kind == "webhook.delivery" and len(mine) == 3
+    assert v.duplicates(mine, load.effect_key) == 1
+    assert v.duplicates([posts[0], other], load.effect_key) == 0
+
+
 def test_a_canary_in_a_process_log_is_found_and_a_sanitized_one_is_not(project_tmp: Path) -> None:
     canaries = chaos.Canaries.from_seed(3)
     log_file = project_tmp / "worker.log"

@@ -11,7 +11,7 @@ from assets.criticizer import api, repository
 from orchestration.definitions import build_definitions
 from tests.conftest import TIME_SCALE
 from redrive.schema import dead_letters, stage_checkpoints
-from tests.criticizer.conftest import ALERTS_PATH, CRITIQUE, RESULTS_PATH, slack_posts, webhook_posts
+from tests.criticizer.conftest import ALERTS_PATH, CRITIQUE, RESULTS_PATH, sandbox_url, slack_posts, webhook_posts
 
 
 def test_request_is_fetched_critiqued_and_delivered_to_webhook_and_slack(run, submit, engine, sandbox) -> None:
@@ -126,6 +126,24 @@ def test_retried_notify_posts_only_what_is_missing(run, submit, engine, sandbox,
         delivered = {d["target"]: d for d in repository.deliveries(conn, request_id)}
     assert delivered["webhook"]["upstream_status"] == 200 and set(delivered) == {"webhook", "slack"}
     assert delivered["webhook"]["idempotency_key"] == delivered["slack"]["idempotency_key"]
+
+
+def test_a_webhook_that_acted_but_lost_its_answer_gets_the_same_key_and_delivers_once(run, submit, engine,
+                                                                                      sandbox) -> None:
+    """effect_then_error at a receiver that honours Idempotency-Key: notify's retry repeats the key, so the
+    requester sees one delivery (at-least-once posting, deduplicated by the key)."""
+    request_id = submit("lost-answer", webhook_url=sandbox_url("/webhook/requester/lost-answer"))
+    sandbox.script("webhook", {"kind": "effect_then_error", "status": 500})
+    result = run(request_id)
+    assert result.success and len(result.waits("notify")) == 1
+    [delivered] = sandbox.effects("webhook.delivery")
+    with engine.connect() as conn:
+        [recorded] = [d for d in repository.deliveries(conn, request_id) if d["target"] == "webhook"]
+    assert delivered["path"] == "requester/lost-answer"
+    assert delivered["idempotency_key"] == recorded["idempotency_key"] and recorded["upstream_status"] == 200
+    posts = sandbox.requests("webhook")
+    assert [p["status"] for p in posts] == [500, 200]
+    assert all("idempotency-key" in p["header_names"] for p in posts)
 
 
 # --------------------------------------------------------------------- §8.1 through the real services

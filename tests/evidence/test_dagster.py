@@ -268,3 +268,17 @@ def test_dagster_job_backfill_of_file_job_partitions_works_their_due_rows(fast_s
     keys = Counter(e["idempotency_key"] for e in sandbox.effects("case.attach"))
     assert len(keys) == 6 and set(keys.values()) == {1}
     instance.dispose()
+
+
+def test_a_file_job_run_that_dies_is_rerun_whatever_the_instance_default(fast_defs) -> None:
+    """A run killed before ingest carries the whole ZIP: the job asks for its own automatic reruns (every op is
+    idempotent), so even an instance that reruns nothing by default reruns it; a drain job's run is not (its rows come back by lease)."""
+    with dg.instance_for_test(overrides={"run_retries": {"enabled": True, "max_retries": 0}}) as instance:
+        def dies(name: str) -> str | None:
+            job = fast_defs.resolve_job_def(name)
+            run = instance.create_run_for_job(job_def=job, tags=job.tags)
+            instance.report_run_failed(run)  # what Dagster records when the run worker is SIGKILLed
+            return instance.get_run_by_id(run.run_id).tags.get("dagster/will_retry")
+
+        assert dies("evidence_file_job") == "true"
+        assert dies("criticizer_job") == "false"

@@ -56,6 +56,8 @@ def test_helm_values_run_the_code_server_command_and_the_instance_settings() -> 
     coordinator = INSTANCE["run_coordinator"]["config"]
     assert queued["tagConcurrencyLimits"] == coordinator["tag_concurrency_limits"]
     assert queued["maxConcurrentRuns"] == coordinator["max_concurrent_runs"]
+    assert (queued["dequeueUseThreads"], queued["dequeueNumWorkers"]) == (
+        coordinator["dequeue_use_threads"], coordinator["dequeue_num_workers"])
     retries = values["dagsterDaemon"]["runRetries"]
     assert (retries["enabled"], retries["maxRetries"], retries["retryOnAssetOrOpFailure"]) == (
         INSTANCE["run_retries"]["enabled"], INSTANCE["run_retries"]["max_retries"],

@@ -103,6 +103,42 @@ def test_mail_effect_then_error_is_found_by_token(sandbox: SandboxClient, http: 
     assert sandbox.count("mail.send") == 1
 
 
+def _hook(http: httpx.Client, key: str | None, text: str = "critique ready", path: str = "requester/pr-1") -> httpx.Response:
+    return http.post(f"/webhook/{path}", json={"text": text}, headers={"Idempotency-Key": key} if key else {})
+
+
+def test_a_webhook_retry_after_effect_then_error_is_one_effect(sandbox: SandboxClient, http: httpx.Client) -> None:
+    """The receiver acted but the answer was lost; the retry with the same key gets the first answer, no second post."""
+    sandbox.script("webhook", {"kind": "effect_then_error", "status": 500})
+    lost = _hook(http, "criticizer:pr-1:abc")
+    again = _hook(http, "criticizer:pr-1:abc")
+
+    assert lost.status_code == 500
+    assert again.status_code == 200 and again.headers["Idempotent-Replayed"] == "true"
+    [effect] = sandbox.effects("webhook.delivery")
+    assert (effect["path"], effect["idempotency_key"]) == ("requester/pr-1", "criticizer:pr-1:abc")
+    assert again.json() == {"ok": True, "delivery_id": effect["delivery_id"]}
+    assert [r["status"] for r in sandbox.requests("webhook")] == [500, 200]
+
+
+def test_a_webhook_without_a_key_or_with_another_key_is_another_effect(sandbox: SandboxClient,
+                                                                       http: httpx.Client) -> None:
+    """A receiver can only deduplicate what the sender lets it tell apart: no key, or a new key, is a new post;
+    the same key on another path is another receiver's."""
+    assert _hook(http, None).status_code == 200 and _hook(http, None).status_code == 200
+    assert _hook(http, "k-1").status_code == 200 and _hook(http, "k-2").status_code == 200
+    assert _hook(http, "k-1", path="requester/pr-2").status_code == 200
+    assert sandbox.count("webhook.delivery") == 5
+
+
+def test_a_webhook_key_reused_for_another_payload_is_422(sandbox: SandboxClient, http: httpx.Client) -> None:
+    """draft-ietf-httpapi-idempotency-key-header: the same key with a different body is refused, never replayed."""
+    assert _hook(http, "k-1", "first").status_code == 200
+    refused = _hook(http, "k-1", "second")
+    assert refused.status_code == 422 and refused.json()["error"]["code"] == "IDEMPOTENCY_KEY_REUSED"
+    assert sandbox.count("webhook.delivery") == 1
+
+
 def test_unknown_attachment_lookup_is_not_found(http: httpx.Client) -> None:
     """Looking up a key that never attached answers 404 NOT_FOUND."""
     answer = http.get("/case/v1/attachments", params={"idempotency_key": "nope"}, headers=CASE_AUTH)

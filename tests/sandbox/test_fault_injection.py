@@ -70,6 +70,19 @@ def test_content_step_and_default_content_shape_the_llm_answer(sandbox: SandboxC
     assert contents == ['{"label": "benign"}', '{"label": "fraud"}']
 
 
+def test_an_llm_answer_set_for_a_prompt_text_answers_only_those_prompts(sandbox: SandboxClient,
+                                                                       http: httpx.Client) -> None:
+    """One sandbox serves two pipelines' tasks: a prompt containing the text gets its answer, others the default."""
+    sandbox.set_default("llm", content='{"label": "fraud"}')
+    sandbox.set_default("llm", content='{"matches": []}', when="You match business documents")
+
+    def ask(text: str) -> str:
+        return http.post(CHAT, json=chat_body(text), headers=LLM_AUTH).json()["choices"][0]["message"]["content"]
+
+    assert ask("You match business documents. Candidate 1: ...") == '{"matches": []}'
+    assert ask("classify this") == '{"label": "fraud"}'
+
+
 def test_client_timeout_happens_on_the_wire(sandbox: SandboxClient) -> None:
     """A client with a 0.3 s timeout gives up on a held-open request instead of getting an answer."""
     sandbox.script("llm", {"kind": "timeout", "seconds": 3})
