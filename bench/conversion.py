@@ -483,7 +483,21 @@ def run(url: str) -> tuple[dict[int, dict[str, float]], dict[str, float]]:
             {c: statistics.median(v) for c, v in slow.items()})
 
 
+PEERS = ("procrastinate", "pgqueuer", "asyncpg", "psycopg")
+
+
+def missing_peers() -> list[str]:
+    """The peers' packages this environment lacks (the `bench` extra is not part of `make install`)."""
+    import importlib.util
+
+    return [name for name in PEERS if importlib.util.find_spec(name) is None]
+
+
 def main() -> int:
+    if missing := missing_peers():
+        print(f"conversion: the peers' packages are not installed ({', '.join(missing)}); run `make bench` "
+              "or `pip install -e \".[bench]\"` first", file=sys.stderr)
+        return 2
     with scratch_database(BENCH_DB) as url:
         noop, slow = run(url)
     print(f"conversion: jobs/s, median of {ROUNDS} interleaved rounds on one embedded PostgreSQL")
