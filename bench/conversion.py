@@ -7,8 +7,8 @@ Needs the ``bench`` extra (``pip install -e ".[bench]"``: procrastinate, pgqueue
 Every contender burns down the same number of jobs on the same embedded server, in the same database,
 interleaved round by round (medians of BENCH_CONVERSION_ROUNDS, so a shared machine's noise hits all alike):
 
-- **redrive**: the conversion worker as ``n`` processes with WORKER_CONCURRENCY jobs in flight each and a
-  gateway that answers at once. It still does its whole per-job path: the fenced lease, reading the
+- **redrive/c**: the conversion worker as ``n`` processes with WORKER_CONCURRENCY=c jobs in flight each (a row
+  for each c of BENCH_CONVERSION_CONCURRENCY, default 8 and 16) and a gateway that answers at once. It still does its whole per-job path: the fenced lease, reading the
   source, the breaker's call record, the XML staged and fsynced, the fenced completion, the atomic publish.
 - **procrastinate** 3.x: ``n`` worker processes (its default concurrency 1), a no-op async task.
 - **pgqueuer** 1.x: ``n`` QueueManager processes, default batch size (10), drain mode, a no-op entrypoint.
@@ -51,12 +51,14 @@ JOBS = int(os.environ.get("BENCH_CONVERSION_JOBS", "1000"))
 GATEWAY_JOBS = int(os.environ.get("BENCH_CONVERSION_GATEWAY_JOBS", "640"))
 WORKERS = tuple(int(w) for w in os.environ.get("BENCH_CONVERSION_WORKERS", "1,2,4").split(","))
 ROUNDS = int(os.environ.get("BENCH_CONVERSION_ROUNDS", "3"))
-CONCURRENCY = int(os.environ.get("BENCH_CONVERSION_CONCURRENCY", "8"))  # redrive's WORKER_CONCURRENCY, no-op case
+# redrive's WORKER_CONCURRENCY in the no-op case: a row each (pgqueuer fetches 10 at a time, no cap on tasks in flight)
+CONCURRENCIES = tuple(int(c) for c in os.environ.get("BENCH_CONVERSION_CONCURRENCY", "8,16").split(","))
+CONCURRENCY = CONCURRENCIES[0]
 GATEWAY_DELAY = 0.2
 GATEWAY_IN_FLIGHT = 32
 XML = b'<document sha256="bench" bytes="0"><page n="1">instant</page></document>'
 PDF = b"%PDF-1.4\n4 0 obj << /Length 20 >> stream\nBT (bench) Tj ET\nendstream endobj\n%%EOF\n"
-CONTENDERS = ("redrive", "procrastinate", "pgqueuer", "pgbench")
+CONTENDERS = (*(f"redrive/{c}" for c in CONCURRENCIES), "procrastinate", "pgqueuer", "pgbench")
 
 
 class InstantGateway:
@@ -463,7 +465,8 @@ def run(url: str) -> tuple[dict[int, dict[str, float]], dict[str, float]]:
     try:
         for r in range(ROUNDS):
             for n in WORKERS:
-                noop[n]["redrive"].append(redrive_rate(ctx, n))
+                for c in CONCURRENCIES:
+                    noop[n][f"redrive/{c}"].append(redrive_rate(ctx, n, concurrency=c))
                 noop[n]["procrastinate"].append(procrastinate_rate(ctx, n))
                 noop[n]["pgqueuer"].append(pgqueuer_rate(ctx, n))
                 noop[n]["pgbench"].append(pgbench_rate(ctx, n))
@@ -501,14 +504,16 @@ def main() -> int:
     with scratch_database(BENCH_DB) as url:
         noop, slow = run(url)
     print(f"conversion: jobs/s, median of {ROUNDS} interleaved rounds on one embedded PostgreSQL")
-    print(f"no-op gateway, {JOBS} jobs; redrive WORKER_CONCURRENCY={CONCURRENCY}; procrastinate concurrency 1; "
+    print(f"no-op gateway, {JOBS} jobs; redrive/c: WORKER_CONCURRENCY=c; procrastinate concurrency 1; "
           "pgqueuer batch 10; pgbench minimal claim + complete")
-    print(f"  {'workers':>7}  {'redrive':>8}  {'procrast.':>9}  {'pgqueuer':>8}  {'pgbench':>8}  "
+    print(f"  {'workers':>7}  {'redrive':>10}  {'jobs/s':>7}  {'procrast.':>9}  {'pgqueuer':>8}  {'pgbench':>8}  "
           f"{'r/procr.':>8}  {'r/pgq':>6}  {'r/pgbench':>9}")
     for n, m in noop.items():
-        print(f"  {n:>7}  {m['redrive']:>8.0f}  {m['procrastinate']:>9.0f}  {m['pgqueuer']:>8.0f}  {m['pgbench']:>8.0f}  "
-              f"{m['redrive'] / m['procrastinate']:>8.2f}  {m['redrive'] / m['pgqueuer']:>6.2f}  "
-              f"{m['redrive'] / m['pgbench']:>9.2f}")
+        for c in CONCURRENCIES:
+            r = m[f"redrive/{c}"]
+            print(f"  {n:>7}  {f'redrive/{c}':>10}  {r:>7.0f}  {m['procrastinate']:>9.0f}  {m['pgqueuer']:>8.0f}  "
+                  f"{m['pgbench']:>8.0f}  {r / m['procrastinate']:>8.2f}  {r / m['pgqueuer']:>6.2f}  "
+                  f"{r / m['pgbench']:>9.2f}")
     print(f"{GATEWAY_DELAY * 1000:.0f} ms gateway, {GATEWAY_JOBS} jobs, one process, {GATEWAY_IN_FLIGHT} in flight: "
           f"redrive {slow['redrive']:.0f}, pgqueuer {slow['pgqueuer']:.0f}, ratio {slow['redrive'] / slow['pgqueuer']:.2f} "
           f"(target >= {0.8 * GATEWAY_IN_FLIGHT / GATEWAY_DELAY:.0f}); the gateway's own ceiling for a plain client with "

@@ -237,9 +237,15 @@ OK_CALLS_CTE = ("INSERT INTO circuit_breaker_calls (breaker, ok, duration_ms, at
 breaker, so no window read is needed); the caller calls :func:`prune_if_due` with the ids it got back."""
 
 
+def prune_due(first_id: int, last_id: int) -> bool:
+    """Whether appending call ids ``first_id..last_id`` crossed a pruning mark (a caller that holds no
+    connection asks first, so most turns open none)."""
+    return last_id // _PRUNE_EVERY > (first_id - 1) // _PRUNE_EVERY
+
+
 def prune_if_due(conn: sa.Connection, name: str, first_id: int, last_id: int) -> None:
     """Keep the window table bounded when ids ``first_id..last_id`` crossed a pruning mark."""
-    if last_id // _PRUNE_EVERY > (first_id - 1) // _PRUNE_EVERY:
+    if prune_due(first_id, last_id):
         _prune(conn, name)
 
 

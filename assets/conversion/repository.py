@@ -226,6 +226,9 @@ def events(conn: sa.Connection, job_id: str) -> list[dict[str, Any]]:
 # `retry_after IS NULL OR retry_after <= now` would walk queued jobs in created order and filter out the
 # ones scheduled in the future: with many of those ahead of the due ones, a scan. Each range is bounded
 # (a few times the claim size; SKIP LOCKED skips what other workers hold), then the oldest are claimed.
+# The claims read them as `id = ANY (ARRAY(…))`: the ranges are evaluated first and the rows fetched by
+# primary key. As `id IN (…)` the planner may hash-join them against every queued row instead, a cost
+# that grows with the backlog (issue 14).
 DUE_IDS_SQL = """\
 (SELECT id FROM conversion_jobs WHERE status = 'queued' AND retry_after IS NULL
  ORDER BY created_at, id LIMIT {limit})
@@ -240,7 +243,7 @@ UNION ALL
 CLAIM_SQL = """\
 WITH candidate AS (
     SELECT id FROM conversion_jobs
-    WHERE id IN ({due_ids})
+    WHERE id = ANY (ARRAY({due_ids}))
       AND status = 'queued'
       AND NOT EXISTS (SELECT 1 FROM circuit_breakers WHERE name = :breaker AND state = 'open')
     ORDER BY created_at, id
@@ -307,7 +310,7 @@ WITH done AS (
     {{calls}}
 ), candidate AS (
     SELECT id FROM conversion_jobs
-    WHERE id IN ({DUE_IDS_SQL.format(limit="($8 * 4 + 64)", now="$6")})
+    WHERE id = ANY (ARRAY({DUE_IDS_SQL.format(limit="($8 * 4 + 64)", now="$6")}))
       AND status = 'queued'
       AND NOT EXISTS (SELECT 1 FROM circuit_breakers WHERE name = $7 AND state = 'open')
     ORDER BY created_at, id
@@ -377,6 +380,10 @@ class HotPath:
                 raw.driver_connection.autocommit = True
                 with raw.driver_connection.cursor() as cur:
                     cur.execute(self._sql)
+                    # Its one generic plan: on a small queue PostgreSQL keeps re-planning the custom one
+                    # (~0.4 ms a turn, as long as the statement runs); the plan reads the due ids first
+                    # (`= ANY (ARRAY(…))`), so it does not depend on the parameters' values.
+                    cur.execute("SET plan_cache_mode = force_generic_plan")
             except BaseException:
                 raw.invalidate()
                 raise

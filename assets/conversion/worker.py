@@ -55,7 +55,7 @@ from assets.conversion.settings import BREAKER, PIPELINE, ConversionSettings
 from redrive import logs
 from redrive.alerts import Alert
 from redrive.backoff import FullJitter
-from redrive.breaker import CircuitBreaker, Transition, counts_as_failure, prune_if_due, record_call
+from redrive.breaker import CircuitBreaker, Transition, counts_as_failure, prune_due, prune_if_due, record_call
 from redrive.clock import Clock, SystemClock
 from redrive.deadletters import FinalFailure
 from redrive.failures import Failure
@@ -832,7 +832,7 @@ class Worker:
         except BaseException:
             self.hot.reset()
             raise
-        if cycle.call_ids is not None:
+        if cycle.call_ids is not None and prune_due(*cycle.call_ids):
             with self.engine.begin() as conn:
                 prune_if_due(conn, BREAKER, *cycle.call_ids)
         refused = [a for a in successes if a.lease.job_id not in cycle.completed]

@@ -17,6 +17,7 @@ from redrive.breaker import (
     counts_as_failure,
     failure_rate,
     probe_due,
+    prune_due,
     should_open,
 )
 from redrive.clock import FrozenClock
@@ -144,3 +145,11 @@ def test_latency_quantile_reads_recent_calls(engine: sa.Engine) -> None:
     assert breaker.latency_p95() == pytest.approx(95.05)
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(breaker_calls)).scalar() == 100
+
+
+@given(st.integers(min_value=1, max_value=10_000), st.integers(min_value=0, max_value=600))
+def test_a_batch_of_calls_prunes_exactly_when_it_crosses_a_pruning_mark(first: int, extra: int) -> None:
+    """The worker asks `prune_due` before it opens a connection: ids first..last cross a mark of every 256th id."""
+    last = first + extra
+    crosses = any(i % 256 == 0 for i in range(first, last + 1))
+    assert prune_due(first, last) is crosses
