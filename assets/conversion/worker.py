@@ -218,10 +218,12 @@ class LeaseKeeper:
                 self._thread = threading.Thread(target=self._run, name=f"lease-keeper-{self.worker.worker_id}",
                                                 daemon=True)
                 self._thread.start()
+            idle = not self._due
             due = time.monotonic() + self.worker.settings.worker_lease_extend_sec
             for lease in leases:
                 self._due[lease.job_id] = (due, lease)
-            self._cond.notify()
+            if idle:  # otherwise it already waits for an earlier due time and then sees these: no wake-up a turn
+                self._cond.notify()
 
     def release(self, job_ids: Sequence[str]) -> None:
         with self._cond:  # held by the keeper while it extends: returns only once no extension is running
