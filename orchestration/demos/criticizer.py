@@ -56,7 +56,8 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
 
     report = DemoReport(PIPELINE)
     sandbox, base = ctx.sandbox, ctx.sandbox.base_url
-    sandbox.set_default("llm", content=json.dumps(CRITIQUE))
+    # this session's artifact paths are in its prompts: other pipelines' LLM calls get their own answers
+    sandbox.set_default("llm", content=json.dumps(CRITIQUE), when=f"demo/{ctx.session}/criticizer/")
     ctx.tick(SENSOR)  # requests a crashed earlier demo left behind must not eat our faults
 
     def request_id(name: str) -> str:
