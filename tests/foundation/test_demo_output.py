@@ -94,3 +94,20 @@ def test_a_failed_run_that_two_demos_wait_on_is_shown_once(capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["    ✗ rehearsal_job: Failure: ask attempt 1/5 of r: AUTH_DENIED: upstream answered 401"] * 2
 
+
+def test_every_pipeline_demo_runs_through_the_daemon_on_the_settings_it_declares() -> None:
+    """`make demo` drives every pipeline through the deployed topology, whose code location reads the settings
+    the demos declare (the matchmaking weights in the artifact store) on top of the demo's pace."""
+    import importlib
+
+    from orchestration.demo import DAEMON_ENV, deployment_env, through_daemon
+    from orchestration.demos import matchmaking
+    from orchestration.registry import PIPELINES
+
+    demos = [importlib.import_module(p.demo) for p in PIPELINES]
+    assert [p.name for p, m in zip(PIPELINES, demos) if not through_daemon(m)] == []
+    env = deployment_env(demos)
+    assert env["MATCHMAKING_SCORING_PATH"] == matchmaking.WEIGHTS_PATH
+    assert {k: env[k] for k in DAEMON_ENV} == DAEMON_ENV
+    assert deployment_env([SimpleNamespace(), SimpleNamespace(DEPLOYMENT_ENV={"X_Y": "1"})]) == {**DAEMON_ENV,
+                                                                                                "X_Y": "1"}
