@@ -33,7 +33,7 @@ CRITIQUE = {
 }
 ARTIFACT = b"while True:\n    try:\n        return call()\n    except Exception:\n        continue\n"
 SENSOR = "criticizer_due_work"
-THROUGH_DAEMON = True  # under `demo --daemon` the daemon's ticks of SENSOR start the drain runs
+THROUGH_DAEMON = True  # under `make demo` the daemon's ticks of SENSOR start the drain runs
 
 
 def ordered(attempts: Any) -> str:

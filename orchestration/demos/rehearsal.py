@@ -8,7 +8,7 @@ from assets.rehearsal import pipeline, repository
 from redrive import deadletters
 from redrive.clock import SystemClock
 
-THROUGH_DAEMON = True  # its runs and its replay go through the deployed topology under `demo --daemon`
+THROUGH_DAEMON = True  # its runs and its replay go through the deployed topology under `make demo`
 
 
 def run_demo(ctx):  # -> orchestration.demo.DemoReport
