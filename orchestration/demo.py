@@ -179,7 +179,7 @@ class DemoContext:
         return step_metadata(self.instance, result.run_id, step)
 
     def for_demo(self) -> DemoContext:
-        """The context one pipeline's demo uses; in process the demos run one after another on this one."""
+        """The context one pipeline's demo uses: in process, this one (one demo at a time)."""
         return self
 
     def service_url(self, service: str) -> str | None:
@@ -329,13 +329,14 @@ def run_one(ctx: DemoContext, name: str, module: Any) -> DemoReport | None:
     return report
 
 
-def run_demos(ctx: DemoContext, demos: list[tuple[str, Any]], concurrently: bool) -> list[DemoReport | None]:
-    """Each demo's report (None: a check failed), in the order given. Concurrently, each demo on a thread of
+def run_demos(ctx: DaemonDemoContext, demos: list[tuple[str, Any]]) -> list[DemoReport | None]:
+    """Each demo's report (None: a check failed), in the order given. The demos run at once, each on a thread of
     its own with its own copy of the context: each scripts its faults for its own entities, so they interleave."""
-    if not concurrently:
-        return [run_one(ctx, name, module) for name, module in demos]
-    with ThreadPoolExecutor(max_workers=max(1, len(demos)), thread_name_prefix="demo") as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, len(demos)), thread_name_prefix="demo")
+    try:
         return list(pool.map(lambda demo: run_one(ctx.for_demo(), *demo), demos))
+    finally:  # on Ctrl-C, not waiting for the demos: the topology stops, and they end on its absence
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _run_all(ctx: DaemonDemoContext, names: list[str] | None, started: float) -> bool:
@@ -346,7 +347,7 @@ def _run_all(ctx: DaemonDemoContext, names: list[str] | None, started: float) ->
     demos = [(name, module) for name, module in chosen if through_daemon(module)]
     skipped = [name for name, module in chosen if not through_daemon(module)]
     print(f"  running {len(demos)} pipeline demos at once; the daemon ticks their sensors …", flush=True)
-    outcomes = run_demos(ctx, demos, concurrently=True)
+    outcomes = run_demos(ctx, demos)
     reports = [r for r in outcomes if r is not None]
     failed = [name for (name, _), r in zip(demos, outcomes) if r is None]
     ctx.api.set_sensor(ALERT_SENSOR, running=True)  # the daemon's alert sensor sends them: its next tick

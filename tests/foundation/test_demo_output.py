@@ -57,7 +57,7 @@ def test_demos_run_at_once_each_on_its_own_context_and_a_failed_check_is_one_lin
 
     root = Ctx()
     reports = run_demos(root, [("first", demo("first")), ("broken", demo("broken", fails=True)),
-                               ("last", demo("last"))], concurrently=True)
+                               ("last", demo("last"))])
 
     assert [r.pipeline if r else None for r in reports] == ["first", None, "last"]
     assert all(thread.startswith("demo") for thread, _ in seen.values())

@@ -165,7 +165,7 @@ def test_topology_serves_work_and_leaves_no_process(db_url: str, dagster_pg_url:
         with dg.DagsterInstance.from_config(str(topology.home)) as instance:
             ctx = DaemonDemoContext(defs, instance, scaled_settings, sandbox, engine, "topology", api=api,
                                     urls={"conversion-api": topology.api_url})
-            reports = run_demos(ctx, [("rehearsal", rehearsal), ("conversion", conversion)], concurrently=True)
+            reports = run_demos(ctx, [("rehearsal", rehearsal), ("conversion", conversion)])
         remember()
         assert None not in reports, capsys.readouterr()
         rehearsed, converted = reports
