@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 import sqlalchemy as sa
-from starlette.testclient import TestClient
 
 from assets.conversion import pipeline
 from assets.conversion import repository as repo
@@ -61,8 +60,12 @@ def _run(ctx):  # -> orchestration.demo.DemoReport
     settings = settings_of(resource)
     runtime = ctx.defs.resources["reliability"].runtime()
     deployed = ctx.service_url("conversion-api")
-    api: Any = httpx.Client(base_url=deployed, timeout=30) if deployed else \
-        TestClient(create_app(ctx.engine, settings), raise_server_exceptions=False)
+    if deployed:
+        api: Any = httpx.Client(base_url=deployed, timeout=30)
+    else:  # the app served in this process (imported only then: starlette warns about its httpx use)
+        from starlette.testclient import TestClient
+
+        api = TestClient(create_app(ctx.engine, settings), raise_server_exceptions=False)
     # in process: a worker run that ends soon after the queue is drained, with the deployment's gateway timeout
     quick = pipeline.worker_run_config(until_idle_sec=0.5, idle_sleep_sec=0.05,
                                        gateway_timeout_ms=int(DEPLOYMENT_ENV["GATEWAY_TIMEOUT_MS"]))
