@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import dagster as dg
 
@@ -37,7 +37,13 @@ THROUGH_DAEMON = True  # under the topology the daemon's ticks of the queue sens
 SETTLE_SECONDS = 300
 
 
-def _drain_until(ctx, settled: Callable[[], bool]) -> tuple[dict[str, int], int]:
+class Drained(NamedTuple):
+    counts: dict[str, int]  # the drains' outcomes
+    calls: int  # LLM calls they made
+    runs: int  # drain runs the queue sensor started
+
+
+def _drain_until(ctx, settled: Callable[[], bool]) -> Drained:
     """Tick the queue sensor until `settled`; what the drain runs it started did: their outcome counts and LLM
     calls, read from each run's event log (so the same in process and under the daemon)."""
     runs: list[Any] = []
@@ -55,7 +61,7 @@ def _drain_until(ctx, settled: Callable[[], bool]) -> tuple[dict[str, int], int]
         reported = ctx.metadata_of(run, DRAIN_STEP)
         counts.update({k: int(reported[k]) for k in COUNTS if reported.get(k)})
         calls += int(reported.get("llm_calls", 0))
-    return dict(counts), calls
+    return Drained(dict(counts), calls, len(runs))
 
 
 def _idle(ctx) -> None:
@@ -101,8 +107,8 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
 
     # 1. the first document: no candidates yet, no LLM call; the queue sensor requests the drain
     ingestion.ingest(ctx.engine, queue, [document("po-1001", "purchase_order", ["PO-1001"], "40 steel beams")])
-    counts, _ = _drain_until(ctx, status_is({"po-1001": "succeeded"}))
-    assert counts == {"succeeded": 1}, f"first drain: {counts}"
+    drained = [_drain_until(ctx, status_is({"po-1001": "succeeded"}))]
+    assert drained[-1].counts == {"succeeded": 1}, f"first drain: {drained[-1]}"
 
     # 2. invoice and delivery note for that order; the LLM answers 429 then 503 first
     script_llm({"status": 429, "headers": {"Retry-After": "2"}}, {"status": 503})
@@ -110,7 +116,8 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
         document("inv-1001", "invoice", ["INV-1001", "PO-1001"], "invoice for 40 steel beams"),
         document("dn-1001", "delivery_note", ["DN-1001", "PO-1001"], "delivered 40 steel beams"),
     ])
-    counts, calls = _drain_until(ctx, status_is({"inv-1001": "succeeded", "dn-1001": "succeeded"}))
+    drained.append(_drain_until(ctx, status_is({"inv-1001": "succeeded", "dn-1001": "succeeded"})))
+    counts, calls, _ = drained[-1]
     assert counts == {"succeeded": 2} and calls == 4, f"retry drain: {counts}, {calls} LLM calls"
     with ctx.engine.connect() as conn:
         clusters = repository.clusters_of(conn, tenant)
@@ -124,8 +131,8 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     # 3. a 401: non-transient, failed at once
     script_llm({"status": 401})
     ingestion.ingest(ctx.engine, queue, [document("inv-3003", "invoice", ["INV-3003"], "steel beams, second lot")])
-    counts, _ = _drain_until(ctx, status_is({"inv-3003": "failed"}))
-    assert counts == {"failed": 1}, counts
+    drained.append(_drain_until(ctx, status_is({"inv-3003": "failed"})))
+    assert drained[-1].counts == {"failed": 1}, drained[-1]
     with ctx.engine.connect() as conn:
         denied = deadletters.active_for(conn, PIPELINE, ids["inv-3003"])
     assert denied is not None and denied.error_class == "AUTH_DENIED"
@@ -135,7 +142,8 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     script_llm(*[{"status": 503}] * 9)
     ingestion.ingest(ctx.engine, queue, [document("inv-4004", "invoice", ["INV-4004"], "steel beams, third lot")])
     # failed after its third delivery; SQS moves the message to the DLQ at the next receive (the next drain's)
-    counts, calls = _drain_until(ctx, lambda: status_is({"inv-4004": "failed"})() and in_dlq("inv-4004"))
+    drained.append(_drain_until(ctx, lambda: status_is({"inv-4004": "failed"})() and in_dlq("inv-4004")))
+    counts, calls, _ = drained[-1]
     assert counts == {"retry_later": 2, "left_for_dlq": 1} and calls == 9, f"DLQ drain: {counts}, {calls}"
     with ctx.engine.connect() as conn:
         parked = repository.get(conn, ids["inv-4004"])
@@ -156,7 +164,7 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     ctx.tick("matching_stuck_documents")  # a second tick: no second alert
     requeue = {"ops": {"requeue_for_matching": {"config": {"document_ids": [ids["inv-5005"]]}}}}
     assert ctx.run("matching_requeue_job", run_config=requeue).success
-    _drain_until(ctx, status_is({"inv-5005": "succeeded"}))
+    drained.append(_drain_until(ctx, status_is({"inv-5005": "succeeded"})))
 
     # 6. the LLM key is rotated; the 401 is replayed through the dead-letter replay sensor
     with ctx.engine.begin() as conn:
@@ -165,8 +173,8 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     replays = [r for r in ctx.tick("redrive_dead_letter_replays")  # (other letters may be replaying too)
                if str(denied.id) in r.dagster_run.tags.get("redrive/replay_of", "").split(",")]
     assert replays and all(r.success for r in replays), "replay run failed"
-    counts, _ = _drain_until(ctx, status_is({"inv-3003": "succeeded"}))
-    assert counts == {"succeeded": 1}, counts
+    drained.append(_drain_until(ctx, status_is({"inv-3003": "succeeded"})))
+    assert drained[-1].counts == {"succeeded": 1}, drained[-1]
     with ctx.engine.connect() as conn:
         closed = deadletters.get(conn, denied.id)
         statuses = repository.status_counts(conn, ids.values())
@@ -176,4 +184,5 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     report.notes.append(f"{ids['inv-3003']}: 401 → failed, dead letter {denied.id} + alert, message deleted; "
                         f"replayed after the key rotation → {closed.status}")
     report.notes.append(f"{ids['inv-5005']}: in-progress 11 min (crashed worker) → one stuck alert; re-queued → done")
+    report.notes.append(f"{sum(d.runs for d in drained)} drain runs, each started by a tick of the queue sensor")
     return report
