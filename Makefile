@@ -14,15 +14,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## make demo: start embedded Postgres, moto and the sandbox, migrate, run the pipelines, print a summary, stop.
+## make demo: start embedded Postgres, moto and the sandbox, migrate, start the deployed topology (code server,
+## daemon, webserver, conversion API and worker, as `make serve`), run every pipeline's demo at once through it
+## (the daemon ticks the sensors, the run queue starts the runs), print a summary, stop.
 demo: install
 	@$(PY) -m orchestration.demo
 
-## make demo-daemon: the same demo through the deployed topology (code server, daemon, webserver, as `make serve`):
-## the daemon ticks the sensors and the run queue starts the runs; pipelines not yet written for it are listed.
+## make demo-daemon: the same as `make demo` (which now goes through the daemon); kept for old habits.
 .PHONY: demo-daemon
-demo-daemon: install
-	@$(PY) -m orchestration.demo --daemon
+demo-daemon: demo
 
 ## make test: the whole suite; the local stack is started by the tests' fixtures.
 test: install browser lint

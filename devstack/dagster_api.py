@@ -52,6 +52,11 @@ class DagsterApi:
         self.url, self.location, self.timeout = url.rstrip("/"), location, timeout
         self.client = DagsterGraphQLClient(parts.hostname or "127.0.0.1", port_number=parts.port, timeout=int(timeout))
 
+    def clone(self) -> DagsterApi:
+        """Another client of the same webserver: Dagster's GraphQL client holds one connection at a time, so
+        each thread driving the deployment needs its own."""
+        return DagsterApi(self.url, self.location, self.timeout)
+
     def graphql(self, query: str, **variables: Any) -> dict[str, Any]:
         reply = httpx.post(f"{self.url}/graphql", json={"query": query, "variables": variables}, timeout=self.timeout)
         reply.raise_for_status()

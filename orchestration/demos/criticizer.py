@@ -33,7 +33,7 @@ CRITIQUE = {
 }
 ARTIFACT = b"while True:\n    try:\n        return call()\n    except Exception:\n        continue\n"
 SENSOR = "criticizer_due_work"
-THROUGH_DAEMON = True  # under `demo --daemon` the daemon's ticks of SENSOR start the drain runs
+THROUGH_DAEMON = True  # under `make demo` the daemon's ticks of SENSOR start the drain runs
 
 
 def ordered(attempts: Any) -> str:
@@ -56,7 +56,8 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
 
     report = DemoReport(PIPELINE)
     sandbox, base = ctx.sandbox, ctx.sandbox.base_url
-    sandbox.set_default("llm", content=json.dumps(CRITIQUE))
+    # this session's artifact paths are in its prompts: other pipelines' LLM calls get their own answers
+    sandbox.set_default("llm", content=json.dumps(CRITIQUE), when=f"demo/{ctx.session}/criticizer/")
     ctx.tick(SENSOR)  # requests a crashed earlier demo left behind must not eat our faults
 
     def request_id(name: str) -> str:

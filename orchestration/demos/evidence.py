@@ -3,7 +3,7 @@
 Scripted faults (seeded): 503s and "accepted, answer lost" on the case API, one case deleted
 (CASE_NOT_FOUND → dead letter + alert), and a manifest with a malformed row, a missing file, a
 file of a refused type and a corrupted PDF. Sensors are ticked (`ctx.tick`: by hand in process, or
-the daemon's own ticks waited for under `demo --daemon`): the ingest run makes the first pass, then the
+the daemon's own ticks waited for under `make demo`): the ingest run makes the first pass, then the
 due-work sensor starts one run of the file job per retry round. Backoff runs at the demo's time scale (5 min → 3 s), so the demo waits for retries.
 Safe to run twice: the session id is in the upload's key and case ids, so each run is a new file job.
 """
@@ -24,7 +24,7 @@ from resources.aws import ensure_bucket
 
 ROWS, PER_ROW = 6, 5
 FAULTS = {"503": 0.12, "effect_then_error": 0.08}  # per attach request, seeded
-THROUGH_DAEMON = True  # under `demo --daemon` the daemon ticks the inbox, due-work and retry sensors
+THROUGH_DAEMON = True  # under `make demo` the daemon ticks the inbox, due-work and retry sensors
 SETTLE_SECONDS = 900  # in process the rounds take seconds; through the daemon each is a launched run
 
 

@@ -8,51 +8,37 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import dagster as dg
 import sqlalchemy as sa
 
 from assets.matchmaking import synthetic
-from orchestration.pipelines.matchmaking import pipeline_defs
 from assets.matchmaking.pipeline import ASSET, JOB, PIPELINE
 from assets.matchmaking.policy import Partition
-from assets.matchmaking.settings import MatchmakingSettings
 from redrive import deadletters
 from redrive.clock import SystemClock
 from redrive.schema import dead_letters
-from sensors.core import dead_letter_replay_sensor
 
 PARTITION = Partition.parse("2026-03-08", "America/New_York")  # the night US clocks spring forward
 KEY = f"{PARTITION.date.isoformat()}|{PARTITION.timezone}"
 WEIGHTS_PATH = "matchmaking/scoring/demo-1.json"
 WEIGHTS = {"version": "demo-1", "interests": 0.55, "age": 0.15, "distance": 0.25, "variety": 0.05}
-QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}  # runs fail on purpose here
+# As an operator who publishes scoring weights to the artifact store configures the code location.
+DEPLOYMENT_ENV = {"MATCHMAKING_SCORING_PATH": WEIGHTS_PATH}
+THROUGH_DAEMON = True  # its runs go through the run queue, its replay through the daemon's replay sensor
 
 
 def run_demo(ctx):  # -> orchestration.demo.DemoReport
-    from orchestration.demo import DemoReport, evaluate_sensor, failure_line
+    from orchestration.demo import DemoReport
 
     report = DemoReport(PIPELINE)
-    # As an operator who publishes scoring weights to the artifact store configures it (MATCHMAKING_SCORING_PATH).
-    built = pipeline_defs(ctx.settings, MatchmakingSettings(scoring_path=WEIGHTS_PATH))
-    defs = dg.Definitions(assets=built.assets, jobs=built.jobs, resources=ctx.defs.resources,
-                          sensors=[dead_letter_replay_sensor(built.replay_targets)])
-    job = defs.resolve_job_def(JOB)
 
-    def run(**kwargs: Any) -> dg.ExecuteInProcessResult:
-        result = job.execute_in_process(partition_key=kwargs.pop("partition_key", KEY), instance=ctx.instance,
-                                        run_config={**QUIET, **kwargs.pop("run_config", {})},
-                                        raise_on_error=False, **kwargs)
-        if not result.success:
-            print(failure_line(JOB, result), flush=True)  # one line, never Dagster's stack trace
-        return result
+    def run(**kwargs: Any):  # -> the context's run outcome
+        return ctx.run(JOB, partition_key=kwargs.pop("partition_key", KEY), **kwargs)
 
-    def metadata(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
-        if result.success:
-            entries = result.asset_materializations_for_node(ASSET)[0].metadata
-        else:
-            entries = result.failure_data_for_node(ASSET).user_failure_data.metadata
-        return {k: v.value for k, v in entries.items()}
+    def metadata(result) -> dict[str, Any]:
+        """The asset's counts: its materialization's metadata, or its failure's (a run failed on purpose)."""
+        return ctx.metadata_of(result, ASSET)
 
+    _repair_leftovers(ctx.engine)
     ctx.sandbox.put_store(WEIGHTS_PATH, json.dumps(WEIGHTS).encode(), "application/json")
     tag = f"demo-{ctx.session}"
     people = synthetic.users(400, timezone=PARTITION.timezone, tag=tag, regions=4)
@@ -62,7 +48,7 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     mine = [p["id"] for p in people]
 
     # 1. the store answers 503, then holds the request and answers 504: both retried (TIMEOUT, 30 s / 2 min × scale)
-    ctx.sandbox.script("store", {"status": 503}, {"kind": "timeout", "seconds": 1})
+    ctx.sandbox.script("store", {"status": 503}, {"kind": "timeout", "seconds": 1}, match=WEIGHTS_PATH)
     first = run()
     retries = ctx.retries_in(first)
     meta = metadata(first)
@@ -88,12 +74,10 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     with ctx.engine.begin() as conn:
         deadletters.request_replay(conn, letters[first_bad].id, evidence="DEMO-4: profile age range corrected",
                                    confirm_safe=True, at=SystemClock().now(), operator="demo")
-    requests = evaluate_sensor(defs, ctx.instance, "redrive_dead_letter_replays")
-    mine_requests = [r for r in requests if str(letters[first_bad].id) in r.tags.get("redrive/replay_of", "").split(",")]
-    assert len(mine_requests) == 1, "the replay sensor did not request the user's run"
-    request = mine_requests[0]
-    replay = run(partition_key=request.partition_key, run_config=request.run_config,
-                 tags={**request.tags, "dagster/run_key": request.run_key})
+    replays = [r for r in ctx.tick("redrive_dead_letter_replays")  # (other pipelines' letters may replay too)
+               if str(letters[first_bad].id) in r.dagster_run.tags.get("redrive/replay_of", "").split(",")]
+    assert len(replays) == 1, "the replay sensor did not start the user's run"
+    [replay] = replays
     assert replay.success and metadata(replay)["users_processed"] == 1
 
     # 4. fix the other and rerun the partition: it completes, closing the last dead letter
@@ -110,6 +94,17 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     report.notes.append("one fixed profile replayed with `dlq replay` (1 user run), the other by a partition rerun; "
                         "both dead letters resolved")
     return report
+
+
+def _repair_leftovers(engine: sa.Engine) -> None:
+    """Profiles an interrupted earlier demo left broken in the partition are repaired first, so the dead letters
+    this run counts are its own two (the rerun completes the others and resolves theirs)."""
+    with engine.connect() as conn:
+        left = conn.execute(sa.text("SELECT user_id FROM matchmaking_jobs WHERE date = :d AND timezone = :tz "
+                                    "AND status <> 'completed'"), {"d": PARTITION.date, "tz": PARTITION.timezone})
+        users = [str(u) for (u,) in left]
+    for user in users:
+        _fix(engine, user)
 
 
 def _fix(engine: sa.Engine, user_id: str) -> None:

@@ -17,7 +17,7 @@ from redrive.schema import alerts
 SENSOR = f"{policy.PIPELINE}_due_work"
 REVIEWERS = ["ana@example.com", "bo@example.com", "cy@example.com"]
 UNDELIVERABLE = "dd@invalid.example"  # the sandbox's provider answers 422 INVALID_RECIPIENT for this domain
-THROUGH_DAEMON = True  # under `demo --daemon` the daemon's ticks of SENSOR start the drain runs
+THROUGH_DAEMON = True  # under `make demo` the daemon's ticks of SENSOR start the drain runs
 
 
 def _settle(ctx: Any, job_key: str) -> None:

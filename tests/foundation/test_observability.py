@@ -25,7 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.process import free_port
-from orchestration.demo import DemoContext
+from orchestration.demo import DAEMON_ENV, DemoContext, deployment_env
 from orchestration.registry import PIPELINES
 from redrive import logs, metrics
 from redrive.db import engine_for
@@ -84,12 +84,16 @@ def deployed_instance() -> Iterator[dg.DagsterInstance]:
 
 @pytest.mark.timeout(1800)
 def test_every_pipeline_logs_json_with_its_fields_and_the_endpoint_serves_its_series(
-        json_logs, deployed_instance, scaled_settings, sandbox, db_url, capsys, tmp_path) -> None:
+        json_logs, deployed_instance, scaled_settings, sandbox, db_url, capsys, tmp_path, monkeypatch) -> None:
     """Each pipeline's lines parse as JSON and name pipeline, entity, stage, attempt, error class and run id;
     the one endpoint has each pipeline's done, failed and retried counts, latency histogram, dead letters and
     due work, and every series a Grafana panel queries."""
     from orchestration.definitions import build_definitions
 
+    demos = [importlib.import_module(pipeline.demo) for pipeline in PIPELINES]
+    for key, value in deployment_env(demos).items():  # what `make demo` configures the code location with
+        if key not in DAEMON_ENV:
+            monkeypatch.setenv(key, value)
     defs = build_definitions(scaled_settings)
     engine = engine_for(db_url)
     for pipeline in PIPELINES:

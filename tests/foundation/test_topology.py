@@ -4,8 +4,8 @@ One test, because the topology costs a minute to start on a shared machine: the 
 `redrive` location from the gRPC code server, the daemon heartbeats, a PDF uploaded to the conversion
 API is converted by the conversion worker process, a run launched through GraphQL goes QUEUED →
 SUCCESS by the daemon's run coordinator, devstack.dagster_api starts and stops a sensor, waits for the
-daemon's tick and reads a failed run's one line, the rehearsal demo runs as `make demo-daemon` runs it,
-and after `stop()` no process of the topology is left.
+daemon's tick and reads a failed run's one line, the rehearsal and conversion demos run at once as
+`make demo` runs them, and after `stop()` no process of the topology is left.
 """
 
 from __future__ import annotations
@@ -72,9 +72,11 @@ def test_topology_serves_work_and_leaves_no_process(db_url: str, dagster_pg_url:
                                                     sandbox, defs, scaled_settings, engine, monkeypatch,
                                                     capsys) -> None:
     """Every service of SERVICES starts on its own; work submitted through the API and GraphQL finishes."""
+    from orchestration.demos import conversion
+
     env = {"DATABASE_URL": db_url, "DAGSTER_PG_URL": dagster_pg_url, "REDRIVE_TIME_SCALE": "0.01",
            "UPLOADS_DIR": str(project_tmp / "uploads"), "RESULTS_DIR": str(project_tmp / "results"),
-           "WORKER_IDLE_SLEEP_SEC": "0.2"}
+           **conversion.DEPLOYMENT_ENV}
     with engine_for(db_url).begin() as conn:
         token = conversion_repo.create_token(conn, "alice")
     topology = Topology(home=project_tmp / "dagster_home", env=env, workers=1)
@@ -153,18 +155,24 @@ def test_topology_serves_work_and_leaves_no_process(db_url: str, dagster_pg_url:
         [line] = api.failures(failed)
         assert "AUTH_DENIED" in line and "Traceback" not in line and not line.startswith("dagster."), line
 
-        # a pipeline's demo as `make demo-daemon` runs it: its runs through the queue, its dead letter's replay
-        # started by the daemon's own tick of the replay sensor, the failure it injects printed as one line
-        from orchestration.demo import DaemonDemoContext
-        from orchestration.demos import rehearsal
+        # two pipelines' demos as `make demo` runs them, at once: rehearsal's runs through the queue and its dead
+        # letter's replay started by the daemon's own tick of the replay sensor; conversion's uploads to the API
+        # process, converted by the worker process under scripted faults, its breaker opened and closed there
+        from orchestration.demo import DaemonDemoContext, run_demos
+        from orchestration.demos import conversion, rehearsal
 
         monkeypatch.setenv("DAGSTER_PG_URL", dagster_pg_url)  # this process reads the topology's run storage
         with dg.DagsterInstance.from_config(str(topology.home)) as instance:
-            report = rehearsal.run_demo(DaemonDemoContext(defs, instance, scaled_settings, sandbox, engine,
-                                                          "topology", api=api))
+            ctx = DaemonDemoContext(defs, instance, scaled_settings, sandbox, engine, "topology", api=api,
+                                    urls={"conversion-api": topology.api_url})
+            reports = run_demos(ctx, [("rehearsal", rehearsal), ("conversion", conversion)])
         remember()
-        assert (report.done, report.retried, report.dead_lettered) == (3, 2, 1)
-        assert any("replayed from stage 'ask' → resolved" in note for note in report.notes), report.notes
+        assert None not in reports, capsys.readouterr()
+        rehearsed, converted = reports
+        assert (rehearsed.done, rehearsed.retried, rehearsed.dead_lettered) == (3, 2, 1)
+        assert any("replayed from stage 'ask' → resolved" in note for note in rehearsed.notes), rehearsed.notes
+        assert (converted.done, converted.dead_lettered) == (15, 2) and converted.retried >= 5
+        assert any("closed the breaker" in note for note in converted.notes), converted.notes
         printed = capsys.readouterr().out.splitlines()
         assert [x for x in printed if "✗" in x] == [next(x for x in printed if "✗ rehearsal_job:" in x)], printed
         assert "Traceback" not in "\n".join(printed)

@@ -5,13 +5,17 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 
-def test_demo_runs_twice_in_a_row(mm_defs, instance, scaled_settings, sandbox, engine) -> None:
+def test_demo_runs_twice_in_a_row(mm_env, instance, scaled_settings, sandbox, engine, monkeypatch) -> None:
     """Each demo run scripts its faults, checks its outcome (retries, dead letters, replay) and succeeds again."""
-    from orchestration.demos.matchmaking import run_demo
+    from orchestration.definitions import build_definitions
+    from orchestration.demos.matchmaking import DEPLOYMENT_ENV, run_demo
     from orchestration.demo import DemoContext
 
+    for key, value in DEPLOYMENT_ENV.items():  # the weights path, as `make demo` configures the code location
+        monkeypatch.setenv(key, value)
+    defs = build_definitions(scaled_settings)
     for session in ("s1", "s2"):
-        ctx = DemoContext(mm_defs, instance, scaled_settings, sandbox, engine, session)
+        ctx = DemoContext(defs, instance, scaled_settings, sandbox, engine, session)
         report = run_demo(ctx)
         assert (report.done, report.retried, report.dead_lettered) == (400, 2, 2)
     with engine.connect() as conn:
