@@ -372,4 +372,8 @@ def _run_all(ctx: DaemonDemoContext, names: list[str] | None, started: float) ->
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: the stack and the topology stopped on the way out; no stack trace
+        print("\ndemo: interrupted; stopped everything it started.", file=sys.stderr)
+        sys.exit(130)

@@ -118,8 +118,9 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
     lost = sum(1 for r in ctx.sandbox.requests("case.attach") if r["step"].startswith("effect_then_error"))
     codes = Counter(a.attachment_error_code for a in final)
     report.notes.append(f"file job {job}: {len(arts)} evidence files in {ROWS + 1} manifest rows "
-                        f"({invalid_rows} malformed row kept as INVALID_FORMAT); {len(runs)} runs of its partition "
-                        f"(ingest + first pass, then one per retry round)")
+                        f"({invalid_rows} malformed row kept as INVALID_FORMAT); {len(runs)} run{'' if len(runs) == 1 else 's'} "
+                        f"of its partition (ingest + first pass; a retry round not yet due when a run ends gets a "
+                        f"run of its own)")
     report.notes.append(f"{len(attached)} attached ({recovered} after a retry; {lost} 'accepted, answer lost' "
                         f"found by lookup, none attached twice); failed for good: {dict(sorted(codes.items()))}")
     report.notes.append(f"N1 and N2 sent once each to {file_job.notify_to}; "
