@@ -227,8 +227,8 @@ def events(conn: sa.Connection, job_id: str) -> list[dict[str, Any]]:
 # ones scheduled in the future: with many of those ahead of the due ones, a scan. Each range is bounded
 # (a few times the claim size; SKIP LOCKED skips what other workers hold), then the oldest are claimed.
 # The claims read them as `id = ANY (ARRAY(…))`: the ranges are evaluated first and the rows fetched by
-# primary key. As `id IN (…)` the planner may hash-join them against every queued row instead, a cost
-# that grows with the backlog (issue 14).
+# primary key, whatever the queue's size, so the worker's one generic plan (HotPath) fits a small queue and
+# a large one; as `id IN (…)` the planner hash-joins them against every queued row on a small queue.
 DUE_IDS_SQL = """\
 (SELECT id FROM conversion_jobs WHERE status = 'queued' AND retry_after IS NULL
  ORDER BY created_at, id LIMIT {limit})
