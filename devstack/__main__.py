@@ -8,7 +8,43 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 from devstack.stack import local_stack
+
+
+# How long Ctrl-C waits for the command (`dagster dev`: 2–8 s here) before it kills it and what it started.
+STOP_GRACE_SECONDS = 60.0
+
+
+def interrupt(proc: subprocess.Popen[bytes], grace: float) -> int:
+    """Ctrl-C the command and wait for it; past ``grace``, SIGKILL it and every process it started, so Ctrl-C
+    always ends `make dev` and the stack then stops what it started (a fresh clone's suite once saw
+    `dagster dev` outlive a 180 s wait after SIGTERM)."""
+    tree = _descendants(proc.pid)  # now: a child that exits first leaves its own children to init
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        left = [p for p in {*tree, *_descendants(proc.pid)} if p.is_running()]
+        killed = []
+        for p in left:
+            try:
+                killed.append(p.name())
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        print(f"devstack: {proc.args[0]} did not stop within {grace:.0f}s of Ctrl-C; killed it and what it "
+              f"started: {sorted(killed)}", file=sys.stderr)
+        proc.kill()
+        return proc.wait()
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 def main(argv: list[str]) -> int:
@@ -40,8 +76,7 @@ def main(argv: list[str]) -> int:
         try:
             return proc.wait()
         except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
-            return proc.wait()
+            return interrupt(proc, STOP_GRACE_SECONDS)
 
 
 def serve(workers: int) -> int:

@@ -29,7 +29,8 @@ def test_dagster_dev_loads_code_location_without_errors(project_tmp: Path) -> No
     dagster = str(Path(sys.executable).parent / "dagster")
     proc = subprocess.Popen([sys.executable, "-m", "devstack", "run", "--purpose", "uitest", "--", dagster, "dev",
                              "-w", "workspace.yaml", "-p", str(port)], cwd=PROJECT_ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=(log := open(project_tmp / "dev.log", "wb")),
+                            start_new_session=True)
     entries = None
     try:
         deadline = time.monotonic() + 180
@@ -52,7 +53,9 @@ def test_dagster_dev_loads_code_location_without_errors(project_tmp: Path) -> No
             stopped = False
         _, alive = psutil.wait_procs(children, timeout=30)
         _kill_left_over(proc, alive)  # the test fails below, but the rest of the suite never inherits them
-    assert stopped, "dagster dev did not stop within 180 s of SIGTERM"
+    log.close()
+    tail = (project_tmp / "dev.log").read_text(errors="replace").splitlines()[-5:]
+    assert stopped, f"dagster dev did not stop within 180 s of SIGTERM; its last lines: {tail}"
     assert alive == [], f"processes left after SIGTERM: {[p.pid for p in alive]}"
     assert entries and entries[0]["name"] == "redrive"
     assert entries[0]["locationOrLoadError"]["__typename"] == "RepositoryLocation", entries

@@ -53,3 +53,40 @@ def test_stack_runs_twice_and_leaves_nothing_running(project_tmp: Path) -> None:
     assert (data_dir / "pg" / "PG_VERSION").exists()  # the data folder is reused, not re-initialised
     postmaster = data_dir / "pg" / "postmaster.pid"
     assert not postmaster.exists()
+
+
+STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c",
+                          "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)"])
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_ctrl_c_kills_a_command_that_ignores_it_and_what_it_started() -> None:
+    """`devstack run`'s Ctrl-C: a command that outlives the grace is SIGKILLed with its children, so it always ends."""
+    from devstack.__main__ import interrupt
+
+    proc = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE)
+    grandchild = psutil.Process(int(proc.stdout.readline()))  # type: ignore[union-attr]
+    try:
+        code = interrupt(proc, grace=0.5)
+        assert code == -9, code  # killed, not stopped on its own
+        gone, alive = psutil.wait_procs([grandchild], timeout=10)
+        assert alive == [], "the command's own child outlived it"
+    finally:  # whatever the outcome, the suite inherits neither
+        for leftover in (psutil.Process(proc.pid) if proc.poll() is None else None, grandchild):
+            if leftover is not None and leftover.is_running():
+                leftover.kill()
+
+
+def test_ctrl_c_returns_the_exit_code_of_a_command_that_stops() -> None:
+    """A command that handles Ctrl-C and exits is waited for and its code returned; nothing is killed."""
+    from devstack.__main__ import interrupt
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time\ntry:\n    print('up', flush=True); time.sleep(600)\n"
+                             "except KeyboardInterrupt:\n    sys.exit(3)"], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"up"  # type: ignore[union-attr]
+    assert interrupt(proc, grace=60) == 3
