@@ -41,7 +41,8 @@ browser:
 test-ci: install
 	@DATABASE_URL=$${CI_DATABASE_URL:-postgresql://postgres@127.0.0.1:5432/postgres} $(PY) -m pytest -q -m "not browser and not chaos" $(PYTEST_ARGS)
 
-## make dev: the local stack plus `dagster dev`; the UI opens on localhost:3000.
+## make dev: the local stack plus `dagster dev`; the UI opens on localhost:3000. Ctrl-C stops all of it (what has
+## not stopped 60 s later is killed, with what it started).
 dev: install
 	@$(PY) -m devstack run -- $(VENV)/bin/dagster dev -w workspace.yaml -p 3000
 
