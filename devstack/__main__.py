@@ -13,31 +13,37 @@ import psutil
 from devstack.stack import local_stack
 
 
-# How long Ctrl-C waits for the command (`dagster dev`: 2–8 s here) before it kills it and what it started.
-STOP_GRACE_SECONDS = 60.0
+# How long Ctrl-C waits for the command (`dagster dev`: 2–8 s here), then SIGTERM as long, before it kills it.
+STOP_GRACE_SECONDS = 30.0
 
 
 def interrupt(proc: subprocess.Popen[bytes], grace: float) -> int:
-    """Ctrl-C the command and wait for it; past ``grace``, SIGKILL it and every process it started, so Ctrl-C
-    always ends `make dev` and the stack then stops what it started (a fresh clone's suite once saw
-    `dagster dev` outlive a 180 s wait after SIGTERM)."""
+    """Ctrl-C the command and wait for it; past ``grace``, SIGTERM it; past another, SIGKILL it. Once it took more
+    than Ctrl-C, every process it started that is still there is killed too: Ctrl-C always ends `make dev` and the
+    stack then stops what it started (a fresh clone's suite once saw `dagster dev` outlive 180 s after SIGTERM)."""
     tree = _descendants(proc.pid)  # now: a child that exits first leaves its own children to init
     proc.send_signal(signal.SIGINT)
     try:
         return proc.wait(grace)
     except subprocess.TimeoutExpired:
-        left = [p for p in {*tree, *_descendants(proc.pid)} if p.is_running()]
-        killed = []
-        for p in left:
-            try:
-                killed.append(p.name())
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        print(f"devstack: {proc.args[0]} did not stop within {grace:.0f}s of Ctrl-C; killed it and what it "
-              f"started: {sorted(killed)}", file=sys.stderr)
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+    killed = []
+    for p in [p for p in {*tree, *_descendants(proc.pid)} if p.is_running()]:
+        try:
+            killed.append(p.name())
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    print(f"devstack: {proc.args[0]} did not stop within {grace:.0f}s of Ctrl-C; "
+          f"{'SIGTERM stopped it' if proc.poll() is not None else 'killed it'}, and killed what it left: "
+          f"{sorted(killed)}", file=sys.stderr)
+    if proc.poll() is None:
         proc.kill()
-        return proc.wait()
+    return proc.wait()
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -56,8 +62,11 @@ def main(argv: list[str]) -> int:
     purpose = "dev"
     if "--purpose" in argv:
         purpose = argv[argv.index("--purpose") + 1]
-    # SIGTERM behaves like Ctrl-C so the stack's finally-block stops what it started.
+    # SIGTERM behaves like Ctrl-C so the stack's finally-block stops what it started. SIGINT gets its handler back
+    # too: started in the background, a process begins with SIGINT ignored, and its children would inherit that,
+    # so the Ctrl-C passed on to the command would do nothing.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with local_stack(purpose) as stack:
         for key in ("DATABASE_URL", "AWS_ENDPOINT_URL", "SANDBOX_URL", "DAGSTER_HOME"):
             if key in stack.env:

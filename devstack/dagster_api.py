@@ -114,14 +114,27 @@ class DagsterApi:
     def sensor_running(self, sensor: str) -> bool:
         return self._sensor(sensor, 1)["status"] == "RUNNING"
 
-    def set_sensor(self, sensor: str, running: bool) -> None:
-        """Start or stop a sensor, as the UI's toggle does; the daemon ticks only running sensors."""
-        if running:
-            done = self.graphql(_START, s=self._selector(sensor))["startSensor"]
-        else:
-            done = self.graphql(_STOP, id=self._sensor(sensor, 1)["id"])["stopSensor"]
-        if done["__typename"] == "PythonError":
-            raise DeploymentError(f"sensor {sensor}: {done['message']}")
+    def set_sensor(self, sensor: str, running: bool, attempts: int = 5, confirm: float = 3.0) -> None:
+        """Start or stop a sensor, as the UI's toggle does; the daemon ticks only running sensors.
+
+        The daemon writes a sensor's whole state back when a tick starts and ends, from a copy it read a moment
+        before (dagster/_daemon/sensor.py: "minimize the window of clobbering the sensor state"): a toggle that
+        lands in that window is undone. So the toggle is watched for ``confirm`` seconds and made again if a
+        tick undid it, as an operator who sees the switch flip back presses it again."""
+        for _ in range(attempts):
+            if running:
+                done = self.graphql(_START, s=self._selector(sensor))["startSensor"]
+            else:
+                done = self.graphql(_STOP, id=self._sensor(sensor, 1)["id"])["stopSensor"]
+            if done["__typename"] == "PythonError":
+                raise DeploymentError(f"sensor {sensor}: {done['message']}")
+            deadline = time.monotonic() + confirm
+            while self.sensor_running(sensor) == running:
+                if time.monotonic() >= deadline:
+                    return
+                time.sleep(0.5)  # polling the webserver, not a wait for time to pass
+        raise DeploymentError(f"sensor {sensor}: the daemon's ticks undid {attempts} toggles to "
+                              f"{'running' if running else 'stopped'}")
 
     def ticks(self, sensor: str, limit: int = 5) -> list[Tick]:
         """The sensor's latest ticks, newest first."""

@@ -58,15 +58,16 @@ def test_stack_runs_twice_and_leaves_nothing_running(project_tmp: Path) -> None:
 STUBBORN = """
 import signal, subprocess, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-child = subprocess.Popen([sys.executable, "-c",
-                          "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)"])
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                          "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
 print(child.pid, flush=True)
 time.sleep(600)
 """
 
 
 def test_ctrl_c_kills_a_command_that_ignores_it_and_what_it_started() -> None:
-    """`devstack run`'s Ctrl-C: a command that outlives the grace is SIGKILLed with its children, so it always ends."""
+    """`devstack run`'s Ctrl-C: a command that outlives Ctrl-C and SIGTERM is SIGKILLed with its children."""
     from devstack.__main__ import interrupt
 
     proc = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE)
@@ -86,7 +87,25 @@ def test_ctrl_c_returns_the_exit_code_of_a_command_that_stops() -> None:
     """A command that handles Ctrl-C and exits is waited for and its code returned; nothing is killed."""
     from devstack.__main__ import interrupt
 
-    proc = subprocess.Popen([sys.executable, "-c", "import sys, time\ntry:\n    print('up', flush=True); time.sleep(600)\n"
+    # its own Ctrl-C handler: a suite started in the background runs with SIGINT ignored, and children inherit that
+    proc = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                             "try:\n    print('up', flush=True); time.sleep(600)\n"
                              "except KeyboardInterrupt:\n    sys.exit(3)"], stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"up"  # type: ignore[union-attr]
     assert interrupt(proc, grace=60) == 3
+
+
+def test_a_command_that_ignores_ctrl_c_is_stopped_by_sigterm_and_what_it_left_is_killed() -> None:
+    """Started in the background, a command may ignore Ctrl-C: SIGTERM stops it, and its children go with it."""
+    from devstack.__main__ import interrupt
+
+    script = STUBBORN.replace("signal.signal(signal.SIGTERM, signal.SIG_IGN)\nchild", "child")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    grandchild = psutil.Process(int(proc.stdout.readline()))  # type: ignore[union-attr]
+    try:
+        assert interrupt(proc, grace=0.5) == -15
+        assert psutil.wait_procs([grandchild], timeout=10)[1] == [], "the command's own child outlived it"
+    finally:
+        if grandchild.is_running():
+            grandchild.kill()
