@@ -38,7 +38,7 @@ def interrupt(proc: subprocess.Popen[bytes], grace: float) -> int:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    print(f"devstack: {proc.args[0]} did not stop within {grace:.0f}s of Ctrl-C; "
+    print(f"devstack: {proc.args[0]} did not stop within {grace:g}s of Ctrl-C; "
           f"{'SIGTERM stopped it' if proc.poll() is not None else 'killed it'}, and killed what it left: "
           f"{sorted(killed)}", file=sys.stderr)
     if proc.poll() is None:
