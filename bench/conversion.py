@@ -2,13 +2,14 @@
 
     python -m bench conversion                                   # under the bench stack (make bench runs all)
     BENCH_CONVERSION_JOBS=500 python -m bench.conversion         # smaller, standalone
+    BENCH_CONVERSION_WORKERS=4 BENCH_CONVERSION_GATEWAY_JOBS=0 python -m bench.conversion   # 4 workers, no 200 ms case
 
 Needs the ``bench`` extra (``pip install -e ".[bench]"``: procrastinate, pgqueuer, asyncpg, psycopg).
 Every contender burns down the same number of jobs on the same embedded server, in the same database,
 interleaved round by round (medians of BENCH_CONVERSION_ROUNDS, so a shared machine's noise hits all alike):
 
 - **redrive/c**: the conversion worker as ``n`` processes with WORKER_CONCURRENCY=c jobs in flight each (a row
-  for each c of BENCH_CONVERSION_CONCURRENCY, default 8 and 16) and a gateway that answers at once. It still does its whole per-job path: the fenced lease, reading the
+  for each c of BENCH_CONVERSION_CONCURRENCY, default 16 and 64) and a gateway that answers at once. It still does its whole per-job path: the fenced lease, reading the
   source, the breaker's call record, the XML staged and fsynced, the fenced completion, the atomic publish.
 - **procrastinate** 3.x: ``n`` worker processes (its default concurrency 1), a no-op async task.
 - **pgqueuer** 1.x: ``n`` QueueManager processes, default batch size (10), drain mode, a no-op entrypoint.
@@ -43,7 +44,7 @@ import sqlalchemy as sa
 from assets.conversion import repository as repo
 from assets.conversion.files import FileStore
 from assets.conversion.settings import ConversionSettings
-from bench._support import scratch_database
+from bench._support import machine_cpu, scratch_database
 from redrive.db import engine_for
 
 BENCH_DB = "redrive_bench_conversion"
@@ -52,13 +53,13 @@ GATEWAY_JOBS = int(os.environ.get("BENCH_CONVERSION_GATEWAY_JOBS", "640"))
 WORKERS = tuple(int(w) for w in os.environ.get("BENCH_CONVERSION_WORKERS", "1,2,4").split(","))
 ROUNDS = int(os.environ.get("BENCH_CONVERSION_ROUNDS", "3"))
 # redrive's WORKER_CONCURRENCY in the no-op case: a row each (pgqueuer fetches 10 at a time, no cap on tasks in flight)
-CONCURRENCIES = tuple(int(c) for c in os.environ.get("BENCH_CONVERSION_CONCURRENCY", "8,16").split(","))
+CONCURRENCIES = tuple(int(c) for c in os.environ.get("BENCH_CONVERSION_CONCURRENCY", "16,64").split(","))
 CONCURRENCY = CONCURRENCIES[0]
 GATEWAY_DELAY = 0.2
 GATEWAY_IN_FLIGHT = 32
 XML = b'<document sha256="bench" bytes="0"><page n="1">instant</page></document>'
 PDF = b"%PDF-1.4\n4 0 obj << /Length 20 >> stream\nBT (bench) Tj ET\nendstream endobj\n%%EOF\n"
-CONTENDERS = (*(f"redrive/{c}" for c in CONCURRENCIES), "procrastinate", "pgqueuer", "pgbench")
+CONTENDERS = (*(f"redrive/{c}" for c in CONCURRENCIES), "procrastinate", "pgqueuer", "pgbench", "files")
 
 
 class InstantGateway:
@@ -326,6 +327,77 @@ def pgqueuer_rate(ctx: Bench, n: int, *, gateway_url: str | None = None, max_tas
                      f"SELECT {jobs} - count(*) FROM pgqueuer", jobs)
 
 
+# ------------------------------------------------------------------------------------ the files' floor
+
+
+def _files_child(uploads: str, results: str, jobs: list[tuple[str, str]], concurrency: int, done: Any, ready: Any,
+                 go: Any) -> None:
+    """The worker's file work alone, shaped as in the worker: ``concurrency`` slot threads read the source and
+    stage the XML (written, fsynced); the main thread publishes what finished together (renames, one folder
+    fsync). No database, no gateway."""
+    import queue
+
+    files = FileStore(Path(uploads), Path(results))
+    todo: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+    for job in jobs:
+        todo.put(job)
+    finished: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def slot() -> None:
+        while True:
+            try:
+                job_id, location = todo.get_nowait()
+            except queue.Empty:
+                finished.put(None)
+                return
+            files.read_source(location)
+            finished.put(files.stage_result(job_id, 1, XML))
+
+    threads = [threading.Thread(target=slot) for _ in range(concurrency)]
+    ready.release()
+    go.wait()
+    for t in threads:
+        t.start()
+    ended = 0
+    while ended < concurrency:
+        batch = [finished.get()]
+        while not finished.empty():
+            batch.append(finished.get())
+        ended += batch.count(None)
+        files.publish_all([s for s in batch if s is not None])
+    done.release()  # timed to here, not to the process's exit
+
+
+def files_rate(ctx: Bench, n: int, concurrency: int) -> float:
+    """Jobs/s of the worker's file work alone (``_files_child``) in ``n`` processes: the floor a durable
+    result file sets, which the peers do not pay."""
+    with ctx.engine.connect() as conn:
+        jobs = [(str(r.id), r.source_location) for r in conn.execute(sa.text(
+            "SELECT id, source_location FROM conversion_jobs ORDER BY id LIMIT :n"), {"n": JOBS})]
+    results = ctx.folder / f"files-{uuid.uuid4().hex[:8]}"  # fresh, as each redrive round's (reset_redrive)
+    mpc = mp.get_context("spawn")
+    ready, go, done = mpc.Semaphore(0), mpc.Event(), mpc.Semaphore(0)
+    procs = [mpc.Process(target=_files_child, args=(str(ctx.files.uploads), str(results), jobs[i::n], concurrency,
+                                                    done, ready, go)) for i in range(n)]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        if not ready.acquire(timeout=120):
+            raise SystemExit("a benchmark process did not start")
+    started, cpu = time.perf_counter(), machine_cpu()
+    go.set()
+    for _ in procs:
+        if not done.acquire(timeout=300):
+            raise SystemExit("files: a process did not finish")
+    elapsed = time.perf_counter() - started
+    ctx.cpu_ms = (machine_cpu() - cpu) / len(jobs) * 1000
+    for p in procs:
+        p.join(timeout=60)
+    if any(p.exitcode for p in procs) or sum(1 for _ in results.glob("*.xml")) != len(jobs):
+        raise SystemExit("files: a process failed or results are missing")
+    return len(jobs) / elapsed
+
+
 # ---------------------------------------------------------------------------------------------- pgbench
 
 MINIMAL_SCRIPT = """\
@@ -353,7 +425,9 @@ def pgbench_rate(ctx: Bench, n: int) -> float:
     args = [_pgbench_binary(), "-n", "-M", "prepared", "-c", str(n), "-j", str(n), "-t", str(JOBS // n),
             "-f", str(ctx.script), "-h", str(p["host"]), "-p", str(p["port"]), "-U", p["user"], p["database"]]
     env = {**os.environ, **({"PGPASSWORD": p["password"]} if p["password"] else {})}
+    cpu = machine_cpu()
     out = subprocess.run(args, capture_output=True, text=True, env=env, check=False)
+    ctx.cpu_ms = (machine_cpu() - cpu) / JOBS * 1000
     if out.returncode != 0:
         raise SystemExit(f"pgbench failed: {out.stderr.strip().splitlines()[-1:]}")
     tps = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", out.stdout)
@@ -371,6 +445,7 @@ class Bench:
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine = engine_for(url)
+        self.cpu_ms = 0.0  # machine CPU ms per job of the last contender timed
         self.folder = Path(tempfile.mkdtemp(prefix="bench-conversion-"))
         self.files = FileStore(self.folder / "uploads", self.folder / "results")
         self.script = self.folder / "minimal.sql"
@@ -442,7 +517,7 @@ class Bench:
             if not ready.acquire(timeout=120):
                 raise SystemExit("a benchmark process did not start")
         offset = self._parked if "conversion_jobs" in done_query else 0
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), machine_cpu()
         go.set()
         while self.count(done_query) - offset < jobs:
             if not any(p.is_alive() for p in procs):
@@ -450,6 +525,7 @@ class Bench:
                     raise SystemExit(f"{target.__name__}: processes ended with jobs left")
             time.sleep(0.01)
         elapsed = time.perf_counter() - started
+        self.cpu_ms = (machine_cpu() - cpu) / jobs * 1000
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
@@ -460,21 +536,26 @@ class Bench:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def run(url: str) -> tuple[dict[int, dict[str, float]], dict[str, float]]:
+def run(url: str) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, float]], dict[str, float]]:
     ctx = Bench(url)
     noop: dict[int, dict[str, list[float]]] = {n: {c: [] for c in CONTENDERS} for n in WORKERS}
+    cpu: dict[int, dict[str, list[float]]] = {n: {c: [] for c in CONTENDERS} for n in WORKERS}
     slow: dict[str, list[float]] = {"redrive": [], "pgqueuer": [], "ceiling": []}
     gateway = DelayingGateway(GATEWAY_DELAY)
     try:
         for r in range(ROUNDS):
             for n in WORKERS:
-                for c in CONCURRENCIES:
-                    noop[n][f"redrive/{c}"].append(redrive_rate(ctx, n, concurrency=c))
-                noop[n]["procrastinate"].append(procrastinate_rate(ctx, n))
-                noop[n]["pgqueuer"].append(pgqueuer_rate(ctx, n))
-                noop[n]["pgbench"].append(pgbench_rate(ctx, n))
+                rates: dict[str, Callable[[], float]] = {
+                    **{f"redrive/{c}": lambda c=c: redrive_rate(ctx, n, concurrency=c) for c in CONCURRENCIES},
+                    "procrastinate": lambda: procrastinate_rate(ctx, n), "pgqueuer": lambda: pgqueuer_rate(ctx, n),
+                    "pgbench": lambda: pgbench_rate(ctx, n), "files": lambda: files_rate(ctx, n, max(CONCURRENCIES))}
+                for contender, rate in rates.items():
+                    noop[n][contender].append(rate())
+                    cpu[n][contender].append(ctx.cpu_ms)
                 print(f"  round {r + 1}, {n} worker(s): " + ", ".join(f"{c} {noop[n][c][-1]:.0f}" for c in CONTENDERS),
                       flush=True)
+            if not GATEWAY_JOBS:  # BENCH_CONVERSION_GATEWAY_JOBS=0: the no-op rows only
+                continue
             slow["ceiling"].append(gateway_ceiling(gateway.url))
             slow["redrive"].append(redrive_rate(ctx, 1, concurrency=GATEWAY_IN_FLIGHT, gateway_url=gateway.url,
                                                 jobs=GATEWAY_JOBS))
@@ -486,7 +567,8 @@ def run(url: str) -> tuple[dict[int, dict[str, float]], dict[str, float]]:
         gateway.close()
         ctx.close()
     return ({n: {c: statistics.median(v) for c, v in by.items()} for n, by in noop.items()},
-            {c: statistics.median(v) for c, v in slow.items()})
+            {n: {c: statistics.median(v) for c, v in by.items()} for n, by in cpu.items()},
+            {c: statistics.median(v) for c, v in slow.items() if v})
 
 
 PEERS = ("procrastinate", "pgqueuer", "asyncpg", "psycopg")
@@ -505,7 +587,7 @@ def main() -> int:
               "or `pip install -e \".[bench]\"` first", file=sys.stderr)
         return 2
     with scratch_database(BENCH_DB) as url:
-        noop, slow = run(url)
+        noop, cpu, slow = run(url)
     print(f"conversion: jobs/s, median of {ROUNDS} interleaved rounds on one embedded PostgreSQL")
     print(f"no-op gateway, {JOBS} jobs; redrive/c: WORKER_CONCURRENCY=c; procrastinate concurrency 1; "
           "pgqueuer batch 10; pgbench minimal claim + complete")
@@ -517,6 +599,14 @@ def main() -> int:
             print(f"  {n:>7}  {f'redrive/{c}':>10}  {r:>7.0f}  {m['procrastinate']:>9.0f}  {m['pgqueuer']:>8.0f}  "
                   f"{m['pgbench']:>8.0f}  {r / m['procrastinate']:>8.2f}  {r / m['pgqueuer']:>6.2f}  "
                   f"{r / m['pgbench']:>9.2f}")
+    print(f"machine CPU ms per job (every process: the workers, PostgreSQL, the kernel), and the worker's file work "
+          f"alone ('files': read the source, stage + fsync the XML, publish; {max(CONCURRENCIES)} threads a process)")
+    print(f"  {'workers':>7}  " + "  ".join(f"{c:>13}" for c in CONTENDERS))
+    for n, m in cpu.items():
+        print(f"  {n:>7}  " + "  ".join(f"{m[c]:>13.3f}" for c in CONTENDERS)
+              + f"   files: {noop[n]['files']:.0f} jobs/s")
+    if not slow:
+        return 0
     print(f"{GATEWAY_DELAY * 1000:.0f} ms gateway, {GATEWAY_JOBS} jobs, one process, {GATEWAY_IN_FLIGHT} in flight: "
           f"redrive {slow['redrive']:.0f}, pgqueuer {slow['pgqueuer']:.0f}, ratio {slow['redrive'] / slow['pgqueuer']:.2f} "
           f"(target >= {0.8 * GATEWAY_IN_FLIGHT / GATEWAY_DELAY:.0f}); the gateway's own ceiling for a plain client with "

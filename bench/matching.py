@@ -34,7 +34,7 @@ import sqlalchemy as sa
 
 from assets.matching import ingestion, policy, repository
 from assets.matching.worker import Worker, WorkerConfig
-from bench._support import scratch_database
+from bench._support import machine_cpu, scratch_database
 from devstack.sandbox import SandboxClient
 from redrive.db import engine_for
 from redrive.reliability import Reliability
@@ -201,6 +201,7 @@ def throughput(url: str, settings: Settings) -> None:
     import httpx
 
     rates: dict[str, list[float]] = {"llm": [], "floor": [], "worker": []}
+    machine: dict[str, list[float]] = {"llm": [], "worker": []}  # machine CPU ms per LLM call / per document
     cpu_per_doc: dict[str, list[float]] = {}
     calls = matched = 0
     for r in range(ROUNDS):
@@ -218,9 +219,10 @@ def throughput(url: str, settings: Settings) -> None:
         schema = policy.decision_schema(10)
         limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
         with httpx.Client(timeout=10, limits=limits) as http, ThreadPoolExecutor(max_workers=in_flight) as pool:
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), machine_cpu()
             list(pool.map(lambda m: llm.chat_json(m, schema, client=http), sample))
             rates["llm"].append(len(sample) / (time.perf_counter() - began))
+            machine["llm"].append((machine_cpu() - cpu) / len(sample) * 1000)
 
         # floor: the same backlog on moto, only received (batch size) and deleted in one batch call, no work
         for i in range(THROUGHPUT_DOCS):
@@ -235,12 +237,13 @@ def throughput(url: str, settings: Settings) -> None:
 
         ingestion.ingest(engine, queue, docs)
         worker = Worker(runtime=runtime, queue=queue, llm=llm, config=config, sleep=lambda s: None, log=_Quiet())
-        cpu0 = _stack_cpu()
+        cpu0, machine0 = _stack_cpu(), machine_cpu()
         began = time.perf_counter()
         report = worker.drain(max_batches=10**6, wait_seconds=0)
         elapsed = time.perf_counter() - began
-        cpu1 = _stack_cpu()
+        cpu1, machine1 = _stack_cpu(), machine_cpu()
         done = report.counts.get("succeeded", 0)
+        machine["worker"].append((machine1 - machine0) / max(1, done) * 1000)
         matched += done
         calls += sum(o.llm_calls for o in report.outcomes)
         rates["worker"].append(done / elapsed)
@@ -261,6 +264,12 @@ def throughput(url: str, settings: Settings) -> None:
           f"worker = {med['worker'] / med['floor']:.2f} × the floor")
     print("  CPU ms per document matched (median of rounds): "
           + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in cpu_per_doc.items()))
+    per_call, per_doc = statistics.median(machine["llm"]), statistics.median(machine["worker"])
+    cores = os.cpu_count() or 1
+    bound = cores * 1000 / per_doc  # docs/s if every core of the machine did nothing but this flow
+    print(f"  machine CPU (every process, PostgreSQL, moto and the sandbox included): {per_call:.2f} ms per raw LLM "
+          f"call, {per_doc:.2f} ms per document matched; all {cores} cores on the flow would give at most "
+          f"{bound:.0f} docs/s = {bound / med['llm']:.2f} × the raw LLM rate")
 
 
 class _Quiet:

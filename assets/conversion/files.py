@@ -4,6 +4,10 @@ Locations stored in the database are relative to these folders, so no server pat
 user, a log line or a dead letter, and the folders can move. A result is staged under a temporary
 name and published with ``os.replace`` (atomic on POSIX) while the fenced completion holds the row
 lock: a reader sees no result or the whole result, and one job has exactly one result file.
+
+Staged files live in ``RESULTS_DIR/.staging`` (same file system, so the rename stays atomic): the
+sweep for a killed worker's leftovers lists that folder, which holds only the results in flight,
+instead of every result ever published (it runs every few seconds in every worker).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pathlib import Path
 
 _ID = re.compile(r"^[0-9a-f-]{36}$")
 _STAGED = re.compile(r"^\.([0-9a-f-]{36})\.xml\.e([0-9]+)\.[0-9]+\.tmp$")  # see stage_result
+STAGING = ".staging"
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -72,7 +77,11 @@ class FileStore:
 
     def __post_init__(self) -> None:
         self.uploads.mkdir(parents=True, exist_ok=True)
-        self.results.mkdir(parents=True, exist_ok=True)
+        self.staging.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def staging(self) -> Path:
+        return self.results / STAGING
 
     @staticmethod
     def _checked(job_id: str) -> str:
@@ -104,7 +113,7 @@ class FileStore:
     def stage_result(self, job_id: str, epoch: int, xml: bytes) -> Staged:
         """Write the XML under a name of this lease's own; nothing is visible until :meth:`publish`."""
         name = f"{self._checked(job_id)}.xml"
-        tmp = self.results / f".{name}.e{epoch}.{os.getpid()}.tmp"
+        tmp = self.staging / f".{name}.e{epoch}.{os.getpid()}.tmp"
         _write_synced(tmp, xml)
         return Staged(tmp, self.results / name, name)
 
@@ -127,13 +136,19 @@ class FileStore:
         if staged:
             _fsync_dir(self.results)
 
-    def staged_files(self) -> list[tuple[Path, str, int]]:
-        """Staged results on disk as (path, job id, lease epoch): what a killed worker may have left."""
+    def staged_files(self, *, legacy: bool = False) -> list[tuple[Path, str, int]]:
+        """Staged results on disk as (path, job id, lease epoch): what a killed worker may have left.
+        ``legacy``: also those staged in RESULTS_DIR itself, where workers before the staging folder put them."""
         found = []
-        for path in self.results.glob(".*.xml.e*.tmp"):
-            match = _STAGED.match(path.name)
+        with os.scandir(self.staging) as entries:
+            names = [(self.staging, e.name) for e in entries]
+        if legacy:
+            with os.scandir(self.results) as entries:
+                names += [(self.results, e.name) for e in entries if e.name.endswith(".tmp")]
+        for folder, name in names:
+            match = _STAGED.match(name)
             if match:
-                found.append((path, match.group(1), int(match.group(2))))
+                found.append((folder / name, match.group(1), int(match.group(2))))
         return found
 
     def discard(self, staged: Staged) -> None:

@@ -424,6 +424,7 @@ class Worker:
         self._turn_seconds = 0.0  # moving averages of a turn's writes and of a job's attempt, for claim_ahead
         self._job_seconds = 0.0
         self._last_reclaim: float | None = None
+        self._legacy_swept = False  # the results folder itself is listed once per process (files.staged_files)
         self._held_logged = False
         self._outage_logged_at: float | None = None
         self._outage_started = 0.0
@@ -673,7 +674,8 @@ class Worker:
         A file is kept while its job is ``processing`` under the epoch in its name: its writer may still
         complete. Any other epoch can never complete again (fencing), so its file is an orphan.
         """
-        staged = self.files.staged_files()
+        staged = self.files.staged_files(legacy=not self._legacy_swept)
+        self._legacy_swept = True
         if not staged:
             return 0
         with self.engine.connect() as conn:

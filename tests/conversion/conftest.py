@@ -25,6 +25,11 @@ from resources.conversion import HttpGateway
 from resources.factory import build_resources
 
 
+def files_under(folder: Path) -> list[str]:
+    """Every file below ``folder`` (published results and staged ones, ``.staging/…``), sorted."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
 def make_pdf(text: str = "Hello") -> bytes:
     """A small, well-formed PDF whose page shows ``text`` (the sandbox's converter reads `(…) Tj`)."""
     stream = f"BT /F1 12 Tf 72 712 Td ({text}) Tj ET".encode()

@@ -8,7 +8,7 @@ import sqlalchemy as sa
 
 from assets.conversion import repository as repo
 from redrive import logs
-from tests.conversion.conftest import events, job
+from tests.conversion.conftest import events, files_under, job
 
 
 def test_every_late_write_of_a_reclaimed_lease_is_refused_logged_and_counted(engine, submit, make_worker, clock,
@@ -33,12 +33,12 @@ def test_every_late_write_of_a_reclaimed_lease_is_refused_logged_and_counted(eng
     assert a._complete(stale, b"<document sha256=\"0\"/>", 1.0, None) == "fenced"
     held = job(engine, job_id)
     assert (held.status, held.leased_by, held.lease_epoch) == ("processing", "b", 2)
-    assert list(files.results.iterdir()) == []  # A's staged result was discarded, never published
+    assert files_under(files.results) == []  # A's staged result was discarded, never published
 
     assert b._complete(fresh, b"<document sha256=\"1\"/>", 1.0, None) == "succeeded"
     assert a.requeue(stale, "shutdown") is False  # still refused after B finished
     assert job(engine, job_id).status == "succeeded"
-    assert [p.name for p in files.results.iterdir()] == [f"{job_id}.xml"]
+    assert files_under(files.results) == [f"{job_id}.xml"]
 
     with engine.connect() as conn:
         fenced = [e["meta"] for e in repo.events(conn, job_id) if e["event"] == "fenced"]

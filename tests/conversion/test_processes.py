@@ -21,7 +21,7 @@ import sqlalchemy as sa
 
 from assets.conversion import repository as repo
 from redrive.clock import SystemClock
-from tests.conversion.conftest import events, job, make_pdf
+from tests.conversion.conftest import events, files_under, job, make_pdf
 from tests.conversion.processes import SlowGateway, WorkerProcess, wait_for, worker_env
 
 SANDBOX_GATEWAY = "{}/pdf/v1"
@@ -186,7 +186,7 @@ def test_a_paused_worker_past_its_lease_has_its_late_completions_refused(engine,
     paused.signal(signal.SIGTERM)
     assert paused.wait(30) == 0 and taker.wait(30) == 0
 
-    assert sorted(p.name for p in conv_settings.results_dir.iterdir()) == sorted(f"{j}.xml" for j in ids)
+    assert files_under(conv_settings.results_dir) == sorted(f"{j}.xml" for j in ids)
     for j in ids:
         after = job(engine, j)
         assert (after.status, after.lease_epoch, after.result_location) == ("succeeded", 2, taken[j].result_location)
@@ -237,7 +237,7 @@ def test_four_workers_two_thousand_jobs_with_a_kill_and_a_pause(engine, files, s
         paused_events = {j: repo.events(conn, j) for j in paused_jobs}
     assert {str(r.id) for r in rows} == set(ids)
     assert sorted(n for _, n in completes) == [1] * 2000  # exactly one completion per job
-    results = sorted(p.name for p in conv_settings.results_dir.iterdir())
+    results = files_under(conv_settings.results_dir)
     assert results == sorted(f"{i}.xml" for i in ids)  # exactly one result file per job, no temp files left
     for r in rows[:: 50]:  # each result is its own document's conversion
         head = (conv_settings.results_dir / r.result_location).read_text()[:200]
@@ -341,7 +341,7 @@ def test_backends_terminated_mid_run_lose_nothing_and_refuse_late_completions(
         assert [e["meta"]["leased_by"] for e in history[j] if e["event"] == "expired"] == ["w-cut"]
         fenced = [e["meta"] for e in history[j] if e["event"] == "fenced"]
         assert "complete" in {m["write"] for m in fenced} and all(m["worker"] == "w-cut" for m in fenced)
-    assert sorted(p.name for p in conv_settings.results_dir.iterdir()) == sorted(f"{j}.xml" for j in ids)
+    assert files_under(conv_settings.results_dir) == sorted(f"{j}.xml" for j in ids)
     for r in rows:  # each result is its own document's conversion, written once
         head = (conv_settings.results_dir / r.result_location).read_text()[:200]
         assert re.search(r'sha256="([0-9a-f]+)"', head).group(1) == r.source_sha256
