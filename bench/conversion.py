@@ -6,11 +6,14 @@
 
 Needs the ``bench`` extra (``pip install -e ".[bench]"``: procrastinate, pgqueuer, asyncpg, psycopg).
 Every contender burns down the same number of jobs on the same embedded server, in the same database,
-interleaved round by round (medians of BENCH_CONVERSION_ROUNDS, so a shared machine's noise hits all alike):
+interleaved round by round (medians of BENCH_CONVERSION_ROUNDS, so a shared machine's noise hits all alike),
+each released right after ``sync`` and a ``CHECKPOINT`` (no contender pays for the one before it):
 
 - **redrive/c**: the conversion worker as ``n`` processes with WORKER_CONCURRENCY=c jobs in flight each (a row
-  for each c of BENCH_CONVERSION_CONCURRENCY, default 16 and 64) and a gateway that answers at once. It still does its whole per-job path: the fenced lease, reading the
-  source, the breaker's call record, the XML staged and fsynced, the fenced completion, the atomic publish.
+  for each c of BENCH_CONVERSION_CONCURRENCY, default 16 and 64) and a gateway that answers at once. It still
+  does its whole per-job path: the fenced lease, reading the source, the breaker's call record, the XML staged
+  and made durable (RESULTS_SYNC, default ``turn``: one syncfs a turn), the fenced completion, the atomic publish.
+- **redrive/c/file**: the same at the largest c with RESULTS_SYNC=file (an fsync per result), for comparison.
 - **procrastinate** 3.x: ``n`` worker processes (its default concurrency 1), a no-op async task.
 - **pgqueuer** 1.x: ``n`` QueueManager processes, default batch size (10), drain mode, a no-op entrypoint.
 - **pgbench minimal**: ``n`` clients running the least a SKIP LOCKED queue can do per job (claim one row,
@@ -43,7 +46,7 @@ import sqlalchemy as sa
 
 from assets.conversion import repository as repo
 from assets.conversion.files import FileStore
-from assets.conversion.settings import ConversionSettings
+from assets.conversion.settings import ConversionSettings, file_store
 from bench._support import machine_cpu, scratch_database
 from redrive.db import engine_for
 
@@ -59,7 +62,9 @@ GATEWAY_DELAY = 0.2
 GATEWAY_IN_FLIGHT = 32
 XML = b'<document sha256="bench" bytes="0"><page n="1">instant</page></document>'
 PDF = b"%PDF-1.4\n4 0 obj << /Length 20 >> stream\nBT (bench) Tj ET\nendstream endobj\n%%EOF\n"
-CONTENDERS = (*(f"redrive/{c}" for c in CONCURRENCIES), "procrastinate", "pgqueuer", "pgbench", "files")
+PER_FILE = f"redrive/{max(CONCURRENCIES)}/file"  # the same worker with RESULTS_SYNC=file: an fsync per result
+REDRIVE = (*(f"redrive/{c}" for c in CONCURRENCIES), PER_FILE)
+CONTENDERS = (*REDRIVE, "procrastinate", "pgqueuer", "pgbench", "files")
 
 
 class InstantGateway:
@@ -202,7 +207,7 @@ def _conninfo(url: str) -> str:
 
 
 def _redrive_child(url: str, uploads: str, results: str, name: str, concurrency: int, gateway_url: str | None,
-                   ready: Any, go: Any) -> None:
+                   sync: str | None, ready: Any, go: Any) -> None:
     import logging
 
     from assets.conversion.worker import JsonLog, Shutdown, Worker
@@ -211,9 +216,9 @@ def _redrive_child(url: str, uploads: str, results: str, name: str, concurrency:
 
     logging.getLogger("redrive.conversion.worker").setLevel(logging.ERROR)  # the log is not the load
     settings = ConversionSettings(uploads_dir=Path(uploads), results_dir=Path(results), worker_idle_sleep_sec=0.02,
-                                  worker_concurrency=concurrency)
+                                  worker_concurrency=concurrency, **({"results_sync": sync} if sync else {}))
     gateway = HttpGateway(gateway_url, 10.0, in_flight=concurrency) if gateway_url else InstantGateway()
-    worker = Worker(Reliability(engine_for(url)), gateway, FileStore(Path(uploads), Path(results)), settings,
+    worker = Worker(Reliability(engine_for(url)), gateway, file_store(settings), settings,
                     worker_id=name, shutdown=Shutdown(0), log=JsonLog(name))
     worker.engine.connect().close()  # warm the pool before the clock starts
     ready.release()
@@ -222,10 +227,10 @@ def _redrive_child(url: str, uploads: str, results: str, name: str, concurrency:
 
 
 def redrive_rate(ctx: Bench, n: int, *, concurrency: int = CONCURRENCY, gateway_url: str | None = None,
-                 jobs: int = JOBS) -> float:
+                 jobs: int = JOBS, sync: str | None = None) -> float:
     ctx.reset_redrive(jobs)
     return ctx.timed(n, _redrive_child, lambda i: (ctx.url, str(ctx.files.uploads), str(ctx.files.results),
-                                                   f"bench-{i}", concurrency, gateway_url),
+                                                   f"bench-{i}", concurrency, gateway_url, sync),
                      "SELECT count(*) FROM conversion_jobs WHERE status = 'succeeded'", jobs)
 
 
@@ -333,11 +338,12 @@ def pgqueuer_rate(ctx: Bench, n: int, *, gateway_url: str | None = None, max_tas
 def _files_child(uploads: str, results: str, jobs: list[tuple[str, str]], concurrency: int, done: Any, ready: Any,
                  go: Any) -> None:
     """The worker's file work alone, shaped as in the worker: ``concurrency`` slot threads read the source and
-    stage the XML (written, fsynced); the main thread publishes what finished together (renames, one folder
-    fsync). No database, no gateway."""
+    stage the XML; the main thread makes what finished durable and publishes it together (RESULTS_SYNC as the
+    worker's: one syncfs, or an fsync per file in the slot threads; then the renames and one folder fsync).
+    No database, no gateway."""
     import queue
 
-    files = FileStore(Path(uploads), Path(results))
+    files = file_store(ConversionSettings(uploads_dir=Path(uploads), results_dir=Path(results)))
     todo: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
     for job in jobs:
         todo.put(job)
@@ -364,7 +370,10 @@ def _files_child(uploads: str, results: str, jobs: list[tuple[str, str]], concur
         while not finished.empty():
             batch.append(finished.get())
         ended += batch.count(None)
-        files.publish_all([s for s in batch if s is not None])
+        staged = [s for s in batch if s is not None]
+        if staged:
+            files.sync_staged()
+        files.publish_all(staged)
     done.release()  # timed to here, not to the process's exit
 
 
@@ -384,6 +393,7 @@ def files_rate(ctx: Bench, n: int, concurrency: int) -> float:
     for _ in procs:
         if not ready.acquire(timeout=120):
             raise SystemExit("a benchmark process did not start")
+    ctx.settle()
     started, cpu = time.perf_counter(), machine_cpu()
     go.set()
     for _ in procs:
@@ -425,6 +435,7 @@ def pgbench_rate(ctx: Bench, n: int) -> float:
     args = [_pgbench_binary(), "-n", "-M", "prepared", "-c", str(n), "-j", str(n), "-t", str(JOBS // n),
             "-f", str(ctx.script), "-h", str(p["host"]), "-p", str(p["port"]), "-U", p["user"], p["database"]]
     env = {**os.environ, **({"PGPASSWORD": p["password"]} if p["password"] else {})}
+    ctx.settle()
     cpu = machine_cpu()
     out = subprocess.run(args, capture_output=True, text=True, env=env, check=False)
     ctx.cpu_ms = (machine_cpu() - cpu) / JOBS * 1000
@@ -478,6 +489,14 @@ class Bench:
         with self.engine.connect() as conn:
             return int(conn.execute(sa.text(query)).scalar())
 
+    def settle(self) -> None:
+        """Before a contender's clock starts: the file system's dirty data written out and a checkpoint taken, so
+        none pays for the one before it (a later syncfs or checkpoint would flush that data on its clock), and
+        each starts with the same full-page-write state."""
+        os.sync()
+        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(sa.text("CHECKPOINT"))
+
     def vacuum(self, *tables: str) -> None:
         with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             for table in tables:
@@ -517,6 +536,7 @@ class Bench:
             if not ready.acquire(timeout=120):
                 raise SystemExit("a benchmark process did not start")
         offset = self._parked if "conversion_jobs" in done_query else 0
+        self.settle()
         started, cpu = time.perf_counter(), machine_cpu()
         go.set()
         while self.count(done_query) - offset < jobs:
@@ -547,6 +567,7 @@ def run(url: str) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, floa
             for n in WORKERS:
                 rates: dict[str, Callable[[], float]] = {
                     **{f"redrive/{c}": lambda c=c: redrive_rate(ctx, n, concurrency=c) for c in CONCURRENCIES},
+                    PER_FILE: lambda: redrive_rate(ctx, n, concurrency=max(CONCURRENCIES), sync="file"),
                     "procrastinate": lambda: procrastinate_rate(ctx, n), "pgqueuer": lambda: pgqueuer_rate(ctx, n),
                     "pgbench": lambda: pgbench_rate(ctx, n), "files": lambda: files_rate(ctx, n, max(CONCURRENCIES))}
                 for contender, rate in rates.items():
@@ -594,13 +615,14 @@ def main() -> int:
     print(f"  {'workers':>7}  {'redrive':>10}  {'jobs/s':>7}  {'procrast.':>9}  {'pgqueuer':>8}  {'pgbench':>8}  "
           f"{'r/procr.':>8}  {'r/pgq':>6}  {'r/pgbench':>9}")
     for n, m in noop.items():
-        for c in CONCURRENCIES:
-            r = m[f"redrive/{c}"]
-            print(f"  {n:>7}  {f'redrive/{c}':>10}  {r:>7.0f}  {m['procrastinate']:>9.0f}  {m['pgqueuer']:>8.0f}  "
+        for c in REDRIVE:
+            r = m[c]
+            print(f"  {n:>7}  {c:>10}  {r:>7.0f}  {m['procrastinate']:>9.0f}  {m['pgqueuer']:>8.0f}  "
                   f"{m['pgbench']:>8.0f}  {r / m['procrastinate']:>8.2f}  {r / m['pgqueuer']:>6.2f}  "
                   f"{r / m['pgbench']:>9.2f}")
     print(f"machine CPU ms per job (every process: the workers, PostgreSQL, the kernel), and the worker's file work "
-          f"alone ('files': read the source, stage + fsync the XML, publish; {max(CONCURRENCIES)} threads a process)")
+          f"alone ('files': read the source, stage the XML, make it durable as RESULTS_SYNC says, publish; "
+          f"{max(CONCURRENCIES)} threads a process)")
     print(f"  {'workers':>7}  " + "  ".join(f"{c:>13}" for c in CONTENDERS))
     for n, m in cpu.items():
         print(f"  {n:>7}  " + "  ".join(f"{m[c]:>13.3f}" for c in CONTENDERS)

@@ -8,14 +8,25 @@ lock: a reader sees no result or the whole result, and one job has exactly one r
 Staged files live in ``RESULTS_DIR/.staging`` (same file system, so the rename stays atomic): the
 sweep for a killed worker's leftovers lists that folder, which holds only the results in flight,
 instead of every result ever published (it runs every few seconds in every worker).
+
+A result is durable before its job is written ``succeeded``. How (``RESULTS_SYNC``): ``turn``, one
+``syncfs(2)`` of the results' file system for all the results a worker's turn completes (issue 14: an
+fsync per file cost the worker more kernel time than everything else it does); ``file``, an fsync per
+staged result. ``turn`` needs Linux 5.8 or later, where syncfs reports the writeback errors it finds;
+elsewhere a store asked for it fsyncs each file.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import re
-from dataclasses import dataclass
+import sys
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 _ID = re.compile(r"^[0-9a-f-]{36}$")
 _STAGED = re.compile(r"^\.([0-9a-f-]{36})\.xml\.e([0-9]+)\.[0-9]+\.tmp$")  # see stage_result
@@ -30,15 +41,16 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    """``data`` in a new file, fsynced: four system calls (a buffered ``open`` adds fstat, ioctl and lseek, and
-    every call lets go of the GIL, which the worker's slot threads then hand around: issue 14)."""
+def _write_synced(path: Path, data: bytes, *, sync: bool = True) -> None:
+    """``data`` in a new file, fsynced unless ``sync`` is off: four system calls (a buffered ``open`` adds fstat,
+    ioctl and lseek, and every call lets go of the GIL, which the worker's slot threads then hand around: issue 14)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -61,6 +73,55 @@ def _write_atomically(path: Path, data: bytes, tmp: Path) -> None:
     _fsync_dir(path.parent)
 
 
+ResultsSync = Literal["turn", "file"]
+
+
+class ResultsNotDurable(RuntimeError):
+    """The results' file system reported a failed write: which staged result it was is unknown, and the kernel
+    may have dropped the data, so no result staged before it may ever be published (PostgreSQL's answer to a
+    failed fsync, for the same reason). Sticky: the worker stops and gives its leases back; a restart starts
+    clean."""
+
+
+def _syncfs_call() -> object | None:
+    """libc's ``syncfs`` where it reports writeback errors (Linux 5.8+), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        major, minor = (int(part) for part in re.findall(r"\d+", platform.release())[:2])
+        if (major, minor) < (5, 8):
+            return None
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+class FileSystemSync:
+    """One ``syncfs(2)`` for every result staged so far, through a descriptor opened before this process staged
+    its first one: the kernel reports to a descriptor every writeback error on its file system since it was
+    opened (errseq), so no failed write of ours goes unseen, whichever thread or flush wrote it back."""
+
+    def __init__(self, folder: Path, call: object | None) -> None:
+        self.folder, self._call = folder, call
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._pid: int | None = None
+        self._failed: str | None = None
+
+    def arm(self) -> None:
+        """Before a staged write: the descriptor must predate it (per process; a forked child opens its own)."""
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._fd, self._pid = os.open(self.folder, os.O_RDONLY), os.getpid()
+
+    def sync(self) -> None:
+        if self._failed is None and self._pid == os.getpid() and self._call(self._fd) != 0:  # type: ignore[operator]
+            self._failed = os.strerror(ctypes.get_errno())
+        if self._failed is not None:
+            raise ResultsNotDurable(f"the results' file system reported a failed write ({self._failed})")
+
+
 @dataclass(frozen=True)
 class Staged:
     """A result written under a temporary name, not yet visible."""
@@ -74,10 +135,21 @@ class Staged:
 class FileStore:
     uploads: Path
     results: Path
+    sync: ResultsSync = "file"
+    """RESULTS_SYNC asked for; :attr:`turn_sync` says whether it is in force."""
+    _fs: FileSystemSync | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.uploads.mkdir(parents=True, exist_ok=True)
         self.staging.mkdir(parents=True, exist_ok=True)
+        call = _syncfs_call() if self.sync == "turn" else None
+        if call is not None:
+            object.__setattr__(self, "_fs", FileSystemSync(self.staging, call))
+
+    @property
+    def turn_sync(self) -> bool:
+        """Results are made durable per turn (:meth:`sync_staged`), not per file."""
+        return self._fs is not None
 
     @property
     def staging(self) -> Path:
@@ -114,8 +186,16 @@ class FileStore:
         """Write the XML under a name of this lease's own; nothing is visible until :meth:`publish`."""
         name = f"{self._checked(job_id)}.xml"
         tmp = self.staging / f".{name}.e{epoch}.{os.getpid()}.tmp"
-        _write_synced(tmp, xml)
+        if self._fs is not None:
+            self._fs.arm()
+        _write_synced(tmp, xml, sync=self._fs is None)
         return Staged(tmp, self.results / name, name)
+
+    def sync_staged(self) -> None:
+        """Every result staged so far is durable when this returns (with ``file``, each already was); raises
+        :class:`ResultsNotDurable` for good once the file system has reported a failed write."""
+        if self._fs is not None:
+            self._fs.sync()
 
     def publish(self, staged: Staged) -> None:
         os.replace(staged.tmp, staged.final)

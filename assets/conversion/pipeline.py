@@ -20,7 +20,7 @@ import dagster as dg
 
 from assets.conversion import repository as repo
 from assets.conversion.files import FileStore
-from assets.conversion.settings import BREAKER, PIPELINE, settings_of
+from assets.conversion.settings import BREAKER, PIPELINE, file_store, settings_of
 from assets.conversion.worker import JsonLog, Shutdown, Worker
 from redrive.breaker import CircuitBreaker, Transition
 from redrive.stages import EXPECTED_FAILURE_TAG, OP_RETRY_POLICY, sanitized_body
@@ -50,7 +50,7 @@ def convert_due_jobs(context: dg.OpExecutionContext, config: WorkerRunConfig, re
     log = JsonLog(worker_id)
     log.run_id = context.run_id
     worker = Worker(reliability.runtime(), conversion.gateway(settings.gateway_timeout_ms),
-                    FileStore(settings.uploads_dir, settings.results_dir), settings, worker_id=worker_id,
+                    file_store(settings), settings, worker_id=worker_id,
                     shutdown=shutdown, log=log)
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:

@@ -6,11 +6,12 @@ Names are 003's own (``RETRY_MAX_ATTEMPTS``, ``WORKER_LEASE_TTL_SEC``, …); the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from assets.conversion.files import FileStore
 from redrive.backoff import ExponentialPlusJitter
 from redrive.breaker import BreakerPolicy
 from redrive.settings import PROJECT_ROOT, Settings
@@ -64,6 +65,13 @@ class ConversionSettings(BaseSettings):
     # --- files and the API ------------------------------------------------------------------------
     uploads_dir: Path = Field(default=PROJECT_ROOT / ".data" / "conversion" / "uploads", description="UPLOADS_DIR")
     results_dir: Path = Field(default=PROJECT_ROOT / ".data" / "conversion" / "results", description="RESULTS_DIR")
+    results_sync: Literal["turn", "file"] = Field(
+        default="turn",
+        description="(ours) RESULTS_SYNC: how a result is made durable before its job is written succeeded. "
+                    "turn: one syncfs(2) of RESULTS_DIR's file system per worker turn, for every result the turn "
+                    "completes (Linux 5.8+; elsewhere it falls back to file); file: an fsync per result. turn "
+                    "flushes whatever else is waiting on that file system too: give RESULTS_DIR a volume of its "
+                    "own, or choose file.")
     upload_max_bytes: int = Field(default=20 * 1024 * 1024, ge=1, description="(ours) UPLOAD_MAX_BYTES: above, TOO_LARGE.")
     upload_idle_timeout_sec: float = Field(
         default=30, gt=0, description="(ours) UPLOAD_IDLE_TIMEOUT_SEC: an upload body silent this long is 408 IO_ERROR.")
@@ -95,6 +103,11 @@ class ConversionSettings(BaseSettings):
     def gateway_base_url(self, core: Settings) -> str:
         """GATEWAY_URL, else the core's PDF gateway (PDF_GATEWAY_URL or the sandbox)."""
         return self.gateway_url or core.pdf_url or "http://127.0.0.1:9/pdf/v1"  # joined by resources.conversion.endpoint
+
+
+def file_store(settings: ConversionSettings) -> FileStore:
+    """The worker's folders, with RESULTS_SYNC (the API only reads and writes sources: the default is enough)."""
+    return FileStore(settings.uploads_dir, settings.results_dir, settings.results_sync)
 
 
 def settings_of(resource: Any) -> ConversionSettings:

@@ -7,10 +7,12 @@ keeps the worker's one code path and every seam as it was, where asyncio would n
 an async driver and still a thread for the fsync.
 
 The main thread owns the database. Each turn it writes what the slots finished and claims for the
-slots that freed, in as few statements and commits as correctness allows: the successes of the turn,
-their breaker calls and the next claim are ONE prepared statement on a held connection (no pool
-checkout, no pre-ping), then the staged results are published (renamed, one directory fsync) while
-the row locks are held, then one COMMIT. Failures (rare) take the careful path: the breaker's window
+slots that freed, in as few statements and commits as correctness allows: the turn's staged results
+are made durable together (RESULTS_SYNC=turn: one syncfs, see :mod:`assets.conversion.files`), then the
+successes of the turn, their breaker calls and the next claim are ONE prepared statement on a held
+connection (no pool checkout, no pre-ping), then the staged results are published (renamed, one
+directory fsync) while the row locks are held, then one COMMIT. A write error the file system
+reports stops the worker (:class:`~assets.conversion.files.ResultsNotDurable`): its leases go back. Failures (rare) take the careful path: the breaker's window
 read, the retry or the final failure — job ``failed``, dead letter and alert in one transaction.
 A lease keeper thread extends every held lease in one fenced statement. A completion whose lease was
 reclaimed is refused by the database and its staged file discarded; staged files of killed workers
@@ -50,8 +52,8 @@ import typer
 
 from assets.conversion import policy
 from assets.conversion import repository as repo
-from assets.conversion.files import FileStore, Staged
-from assets.conversion.settings import BREAKER, PIPELINE, ConversionSettings
+from assets.conversion.files import FileStore, ResultsNotDurable, Staged
+from assets.conversion.settings import BREAKER, PIPELINE, ConversionSettings, file_store
 from redrive import logs
 from redrive.alerts import Alert
 from redrive.backoff import FullJitter
@@ -440,7 +442,7 @@ class Worker:
         started = self.clock.monotonic()
         idle_since: float | None = None
         self.log("worker_started", lease_ttl_sec=self.settings.worker_lease_ttl_sec,
-                 concurrency=self.settings.worker_concurrency)
+                 concurrency=self.settings.worker_concurrency, results_sync="turn" if self.files.turn_sync else "file")
         self._write_health()
         try:
             while True:
@@ -454,6 +456,8 @@ class Worker:
                         self._give_back(self.slots.take_unstarted())
                     state = self.turn(claim=claiming, limit=None if max_jobs is None
                                       else max(0, max_jobs - self.report.claimed))
+                except ResultsNotDurable:
+                    raise  # not an outage to wait out: no staged result can be trusted any more
                 except Exception as exc:  # noqa: BLE001 - the database is away: wait it out, never die of it
                     failure = policy.classify(exc)
                     if not failure.retryable:
@@ -473,6 +477,10 @@ class Worker:
                 self.sleep(self.settings.worker_idle_sleep_sec)  # 003 §3.4: none claimed, sleep ~1–2 s
         except (ShutdownNow, KeyboardInterrupt):
             self._abandon("shutdown")
+        except ResultsNotDurable:
+            self.log("results_not_durable", in_flight=len(self.in_flight), level=logging.CRITICAL)
+            self._abandon("results_not_durable")
+            raise
         except BaseException:  # Dagster's interrupt on run termination, SystemExit…: requeue, then let it go
             self._abandon("interrupted")
             raise
@@ -768,7 +776,7 @@ class Worker:
     # -- one attempt, in a slot thread ------------------------------------------------------------------
 
     def _attempt(self, lease: repo.Lease) -> Attempt:
-        """Read the source, call the gateway, check and stage the XML (fsynced); never raises."""
+        """Read the source, call the gateway, check and stage the XML (fsynced with RESULTS_SYNC=file); never raises."""
         start = time.perf_counter()  # durations are measurements, not decisions: the real clock
         call_ms: float | None = None
         try:
@@ -824,6 +832,8 @@ class Worker:
             claim = 0  # 003 §3.5: stop claiming
         if not successes and claim <= 0:
             return []
+        if successes:
+            self.files.sync_staged()  # RESULTS_SYNC=turn: one syncfs makes them all durable, before any is written done
         now = self.clock.now()
         done = [repo.Completion(a.lease, a.staged.location, a.call_ms,  # type: ignore[union-attr]
                                 {"worker": a.lease.worker, "epoch": a.lease.epoch, "duration_ms": a.duration_ms,
@@ -1011,7 +1021,7 @@ def build_worker(settings: ConversionSettings | None = None, *, worker_id: str |
                           in_flight=conv.worker_concurrency)
     shutdown = Shutdown(conv.worker_shutdown_grace_sec)
     wid = worker_id or new_worker_id()
-    return Worker(reliability, gateway, FileStore(conv.uploads_dir, conv.results_dir), conv, worker_id=wid,
+    return Worker(reliability, gateway, file_store(conv), conv, worker_id=wid,
                   shutdown=shutdown, log=JsonLog(wid))
 
 

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from assets.conversion import repository as repo
 from assets.conversion.files import FileStore
-from assets.conversion.settings import ConversionSettings
+from assets.conversion.settings import ConversionSettings, file_store
 from assets.conversion.worker import JsonLog, Shutdown, Worker
 from redrive.clock import FrozenClock
 from redrive.reliability import Reliability
@@ -79,7 +79,8 @@ def serve_app() -> Iterator[Callable[..., str]]:
 
 @pytest.fixture
 def files(conv_settings: ConversionSettings) -> FileStore:
-    return FileStore(conv_settings.uploads_dir, conv_settings.results_dir)
+    """The folders as a worker builds them, with the default RESULTS_SYNC (``turn``)."""
+    return file_store(conv_settings)
 
 
 @pytest.fixture
