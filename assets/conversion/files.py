@@ -76,11 +76,12 @@ def _write_atomically(path: Path, data: bytes, tmp: Path) -> None:
 ResultsSync = Literal["turn", "file"]
 
 
-class ResultsNotDurable(RuntimeError):
+class ResultsNotDurable(OSError):
     """The results' file system reported a failed write: which staged result it was is unknown, and the kernel
     may have dropped the data, so no result staged before it may ever be published (PostgreSQL's answer to a
     failed fsync, for the same reason). Sticky: the worker stops and gives its leases back; a restart starts
-    clean."""
+    clean. An OSError, so the core names it an I/O failure (``UNKNOWN``, retried by a Dagster op's policy with a
+    new worker), not a bug."""
 
 
 def _syncfs_call() -> object | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 
 import dagster as dg
@@ -10,6 +12,7 @@ import sqlalchemy as sa
 import yaml
 from click.testing import CliRunner
 
+from assets.conversion import files as files_module
 from assets.conversion import pipeline
 from assets.conversion.policy import dispatch
 from assets.conversion.settings import ConversionSettings
@@ -250,3 +253,32 @@ def test_a_failed_batch_replay_run_reopens_its_letters_for_another_replay(
     assert replayed_letters(again.tags) == [letter_ids[0]]
     assert again.run_config["ops"]["requeue_failed_job"]["config"]["job_ids"] == [letters[0].entity_ref]
     assert {letter.entity_ref for letter in letters} == set(ids)
+
+
+@pytest.mark.skipif(files_module._syncfs_call() is None, reason="RESULTS_SYNC=turn needs Linux 5.8+")
+def test_a_worker_run_whose_results_are_not_durable_is_retried_by_dagster_with_a_clean_worker(
+        conv_defs, instance, engine, submit, monkeypatch) -> None:
+    """A write error syncfs reports fails the worker's op (its leases given back), with a canonical message and
+    no path; Dagster's op retry starts a new worker with a new store, which converts every job."""
+    real, calls = files_module._syncfs_call(), []
+
+    def fails_once(fd: int) -> int:
+        calls.append(fd)
+        if len(calls) == 1:
+            ctypes.set_errno(errno.EIO)
+            return -1
+        return real(fd)
+
+    monkeypatch.setattr(files_module, "_syncfs_call", lambda: fails_once)
+    ids = [submit() for _ in range(3)]
+    [request] = sensor_requests(conv_defs, instance)
+    result = launch(conv_defs, instance, request)
+    assert result.success
+    assert {job(engine, i).status for i in ids} == {"succeeded"}
+    assert result.output_for_node("convert_due_jobs")["succeeded"] == 3  # all by the retried attempt
+    failures = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE
+                or e.event_type == dg.DagsterEventType.STEP_UP_FOR_RETRY]
+    assert failures, "the first attempt failed and was retried"
+    text = json.dumps([str(e.event_specific_data) for e in failures])
+    assert "convert_due_jobs: UNKNOWN: unclassified error (ResultsNotDurable)" in text  # named, retried, not a bug
+    assert "/tmp/" not in text and "Input/output" not in text  # no path nor OS detail reaches the event log
