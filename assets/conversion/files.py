@@ -24,6 +24,7 @@ import platform
 import re
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -115,6 +116,7 @@ class FileSystemSync:
             with self._lock:
                 if self._pid != os.getpid():
                     self._fd, self._pid = os.open(self.folder, os.O_RDONLY), os.getpid()
+                    weakref.finalize(self, os.close, self._fd)  # a store per worker run: no descriptor outlives it
 
     def sync(self) -> None:
         if self._failed is None and self._pid == os.getpid() and self._call(self._fd) != 0:  # type: ignore[operator]
