@@ -257,7 +257,7 @@ def test_a_failed_batch_replay_run_reopens_its_letters_for_another_replay(
 
 @pytest.mark.skipif(files_module._syncfs_call() is None, reason="RESULTS_SYNC=turn needs Linux 5.8+")
 def test_a_worker_run_whose_results_are_not_durable_is_retried_by_dagster_with_a_clean_worker(
-        conv_defs, instance, engine, submit, monkeypatch) -> None:
+        conv_defs, instance, engine, submit, monkeypatch, conv_settings) -> None:
     """A write error syncfs reports fails the worker's op (its leases given back), with a canonical message and
     no path; Dagster's op retry starts a new worker with a new store, which converts every job."""
     real, calls = files_module._syncfs_call(), []
@@ -281,4 +281,4 @@ def test_a_worker_run_whose_results_are_not_durable_is_retried_by_dagster_with_a
     assert failures, "the first attempt failed and was retried"
     text = json.dumps([str(e.event_specific_data) for e in failures])
     assert "convert_due_jobs: UNKNOWN: unclassified error (ResultsNotDurable)" in text  # named, retried, not a bug
-    assert "/tmp/" not in text and "Input/output" not in text  # no path nor OS detail reaches the event log
+    assert str(conv_settings.results_dir) not in text and "Input/output" not in text  # no data path nor OS detail
