@@ -12,8 +12,9 @@ are made durable together (RESULTS_SYNC=turn: one syncfs, see :mod:`assets.conve
 successes of the turn, their breaker calls and the next claim are ONE prepared statement on a held
 connection (no pool checkout, no pre-ping), then the staged results are published (renamed, one
 directory fsync) while the row locks are held, then one COMMIT. A write error the file system
-reports stops the worker (:class:`~assets.conversion.files.ResultsNotDurable`): its leases go back. Failures (rare) take the careful path: the breaker's window
-read, the retry or the final failure — job ``failed``, dead letter and alert in one transaction.
+reports stops the worker (:class:`~assets.conversion.files.ResultsNotDurable`): its leases go back.
+Failures (rare) take the careful path: the breaker's window read, the retry or the final failure —
+job ``failed``, dead letter and alert in one transaction.
 A lease keeper thread extends every held lease in one fenced statement. A completion whose lease was
 reclaimed is refused by the database and its staged file discarded; staged files of killed workers
 are swept by the reclaim step. The loop waits out a database outage with capped backoff and says so
