@@ -25,8 +25,17 @@ demo: install
 demo-daemon: demo
 
 ## make test: the whole suite; the local stack is started by the tests' fixtures.
-test: install browser lint
+test: install browser lint docs-check
 	@$(PY) -m pytest -q $(PYTEST_ARGS)
+
+## the docs site, strict: a broken link or anchor, or a page outside the nav, fails (built into a temporary folder)
+.PHONY: docs-check docs
+docs-check: install
+	@d=$$(mktemp -d) && $(VENV)/bin/mkdocs build --strict --quiet -d "$$d"; rc=$$?; rm -rf "$$d"; exit $$rc
+
+## make docs: serve the docs site on localhost:8000
+docs: install
+	@$(VENV)/bin/mkdocs serve
 
 ## ruff: undefined names, unused imports, naive datetimes
 lint: install
