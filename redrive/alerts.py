@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert
 
+from redrive import counters
 from redrive.sanitize import sanitize_text
 from redrive.schema import alert_deliveries, alerts
 
@@ -198,6 +199,8 @@ def dispatch(
                 continue
             conn.execute(sa.update(alert_deliveries).where(alert_deliveries.c.id.in_(ids)).values(
                 status="sent", sent_at=now, attempts=alert_deliveries.c.attempts + 1, message_id=message_id))
+            # one message, however many alerts it folds (a burst's "×3" is one), counted as it is marked sent
+            counters.add(conn, counters.ALERTS_SENT, {"pipeline": rows[0]["pipeline"], "channel": channel_name})
             sent_messages += 1
             sent_alerts += len(ids)
         report = DispatchReport(sent_messages, sent_alerts, deferred, failed)

@@ -69,8 +69,12 @@ class Attempt:
     attempts: dict[str, int] = field(default_factory=dict)
     current_stage: str | None = None
     # Set by a handler whose entity is not finished but has more work on its own schedule (evidence's
-    # per-artifact retries): it settles as due again then, with `on_success` in that transaction.
+    # per-artifact retries): it settles as due again then, with `on_success` in that transaction. With
+    # `retry_error_class` set, this attempt failed in part and is counted as a retry of that class.
     due_again_at: datetime | None = None
+    retry_error_class: str | None = None
+    # (stage, seconds) of the last `stage(..., observe=False)`: counted when the entity settles
+    unobserved: tuple[str, float] | None = None
     on_success: list[Callable[[sa.Connection], None]] = field(default_factory=list)
     # (conn, failure, final): runs for a retry and for the final failure, before the dead letter is
     # built, so it may add to `context` (e.g. when the failure episode began)
@@ -86,8 +90,13 @@ class Attempt:
     def replay_of(self) -> int | None:
         return self.item.payload.get("replay_of")
 
-    def stage(self, name: str, work_fn: Callable[[], Mapping[str, Any]], *, checkpoint: bool = True) -> dict[str, Any]:
-        """The stage's checkpoint if it has one; else run it once and checkpoint its output."""
+    def stage(self, name: str, work_fn: Callable[[], Mapping[str, Any]], *, checkpoint: bool = True,
+              observe: bool = True) -> dict[str, Any]:
+        """The stage's checkpoint if it has one; else run it once and checkpoint its output.
+
+        ``observe=False``: the attempt's outcome is not known when the work returns (evidence's row may
+        have failed artifacts to retry); it is counted when the entity settles — ok, or a retry of
+        ``retry_error_class`` when the handler sets one."""
         drain = self.drain
         if checkpoint:
             with drain.engine.connect() as conn:
@@ -102,11 +111,26 @@ class Attempt:
             raise StageError(name, exc, time.perf_counter() - started) from None
         seconds = time.perf_counter() - started
         self.attempts[name] = self.attempts.get(name, 0) + 1
-        with drain.engine.begin() as conn:
-            if checkpoint:
-                checkpoints.save(conn, drain.pipeline, self.entity_ref, name, output)
-            observations.observe(conn, drain.pipeline, name, observations.OK, seconds=seconds)
+        if not observe:
+            self.unobserved = (name, seconds)
+        if checkpoint or observe:
+            with drain.engine.begin() as conn:
+                if checkpoint:
+                    checkpoints.save(conn, drain.pipeline, self.entity_ref, name, output)
+                if observe:
+                    observations.observe(conn, drain.pipeline, name, observations.OK, seconds=seconds)
         return output
+
+    def observe_settled(self, conn: sa.Connection) -> None:
+        """Count the attempt of an ``observe=False`` stage as it settles: a retry of its class, or ok."""
+        if self.unobserved is None:
+            return
+        name, seconds = self.unobserved
+        if self.due_again_at is not None and self.retry_error_class is not None:
+            observations.observe(conn, self.drain.pipeline, name, observations.RETRY,
+                                 error_class=self.retry_error_class, seconds=seconds)
+        else:
+            observations.observe(conn, self.drain.pipeline, name, observations.OK, seconds=seconds)
 
     def stage_attempts(self, failed_stage: str | None = None) -> dict[str, int]:
         """Attempts per stage so far: earlier runs' (the row) plus this run's successes (+1 for a failure)."""
@@ -285,6 +309,7 @@ class Drain:
         with self.engine.begin() as conn:
             for write in attempt.on_success:
                 write(conn)
+            attempt.observe_settled(conn)
             if attempt.due_again_at is not None:
                 if not work.defer(conn, attempt.item, due_at=attempt.due_again_at, attempts=attempt.stage_attempts(),
                                   now=now):

@@ -1,13 +1,16 @@
 """Prometheus metrics for every pipeline, read from PostgreSQL at scrape time.
 
 Work runs in many processes (run workers, conversion workers), so in-process counters would each
-see a slice. Everything here is a query over the tables every process writes: stage outcomes and
-latency buckets (:mod:`redrive.observations`), the work queue and durable timers (due work), dead
-letters, alert deliveries and the circuit breakers. Every pipeline named gets every series, zero
-when it has nothing yet, so a dashboard panel never goes blank for a quiet pipeline.
+see a slice. Counters are kept in PostgreSQL by increments, in the transaction of the event they
+count (stage outcomes and latency buckets in :mod:`redrive.observations`, named counters such as
+dead-lettered entities and alert messages in :mod:`redrive.counters`): a scrape reads one row per
+series and shard, so it costs the same with ten million historical rows as with ten, and the
+pruner deleting history lowers no counter. Gauges (open dead letters, due work, pending alerts)
+count open rows only, through the partial indexes that cover them. Every pipeline named gets every
+series, zero when it has nothing yet, so a dashboard panel never goes blank for a quiet pipeline.
 
-A pipeline whose work is not counted by the core (conversion keeps its own job events) gives a
-:class:`PipelineSource`: its observations and its due work, merged into the same series.
+A pipeline whose due work is not in the core's queue (conversion keeps its own jobs) gives a
+:class:`PipelineSource` with its due work, merged into the same series.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sqlalchemy as sa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from redrive import counters
 from redrive import observations as obs
 from redrive.breaker import circuit_breakers
 from redrive.clock import Clock
@@ -30,9 +34,8 @@ from redrive.work import OPEN_STATUSES
 
 @dataclass(frozen=True)
 class PipelineSource:
-    """What a pipeline counts in its own tables: outcomes as observations, and its due work with its oldest."""
+    """What a pipeline keeps in its own tables: its due work and when the oldest of it fell due."""
 
-    observations: Callable[[sa.Connection], Sequence[obs.Observation]] | None = None
     due_work: Callable[[sa.Connection, datetime], tuple[int, datetime | None]] | None = None
 
 
@@ -56,42 +59,44 @@ class PipelineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         now = self.clock.now()
         with self.engine.connect() as conn:
-            rows = list(obs.read_all(conn))
-            for source in self.sources.values():
-                if source.observations is not None:
-                    rows += source.observations(conn)
+            rows = obs.read_all(conn)
+            counted = counters.read(conn, (counters.ITEMS_FAILED, counters.ALERTS_SENT))
             letters = open_dead_letters(conn)
-            sent = conn.execute(
-                sa.select(alerts.c.pipeline, alert_deliveries.c.channel, alert_deliveries.c.status, sa.func.count())
+            pending = conn.execute(  # the partial index of pending deliveries: sent ones are never read
+                sa.select(alerts.c.pipeline, alert_deliveries.c.channel, sa.func.count())
                 .select_from(alert_deliveries.join(alerts, alerts.c.id == alert_deliveries.c.alert_id))
-                .group_by(alerts.c.pipeline, alert_deliveries.c.channel, alert_deliveries.c.status)).all()
+                .where(alert_deliveries.c.status == "pending")
+                .group_by(alerts.c.pipeline, alert_deliveries.c.channel)).all()
             due = due_work(conn, now, self.pipelines, self.sources)
-        yield from self._outcomes(rows)
+        yield from self._outcomes(rows, counted.get(counters.ITEMS_FAILED, {}))
         yield from self._letters(letters, now)
-        yield from self._alerts(sent)
-        waiting = GaugeMetricFamily("redrive_due_work", "Work due now and not yet done (queue rows, timers).",
-                                    labels=["pipeline"])
-        age = GaugeMetricFamily("redrive_due_work_oldest_seconds", "How long the oldest due work has waited.",
-                                labels=["pipeline"])
+        yield from self._alerts(counted.get(counters.ALERTS_SENT, {}), pending)
+        waiting = GaugeMetricFamily("redrive_due_work", "Work due now and not yet done (work-queue rows, durable "
+                                    "timers, a pipeline's own queued jobs).", labels=["pipeline"])
+        age = GaugeMetricFamily("redrive_due_work_oldest_seconds", "How long the oldest due work has waited since "
+                                "it fell due, in seconds (0 when none is due).", labels=["pipeline"])
         for pipeline, (n, oldest) in sorted(due.items()):
             waiting.add_metric([pipeline], n)
             age.add_metric([pipeline], max(0.0, (now - oldest).total_seconds()) if oldest else 0.0)
         yield waiting
         yield age
 
-    def _outcomes(self, rows: Sequence[obs.Observation]) -> Iterator[Metric]:
-        done = CounterMetricFamily("redrive_items_done", "Entities that finished all their stages.",
-                                   labels=["pipeline"])
-        failed = CounterMetricFamily("redrive_items_failed", "Entities failed for good (dead-lettered), by error class.",
-                                     labels=["pipeline", "error_class"])
-        retries = CounterMetricFamily("redrive_retries_scheduled", "Failed attempts given another attempt later.",
+    def _outcomes(self, rows: Sequence[obs.Observation],
+                  failed_by: Mapping[tuple[tuple[str, str], ...], float]) -> Iterator[Metric]:
+        done = CounterMetricFamily("redrive_items_done", "Entities that finished all their stages, counted as each "
+                                   "one settles done.", labels=["pipeline"])
+        failed = CounterMetricFamily("redrive_items_failed", "Entities dead-lettered, by error class: a new dead "
+                                     "letter, or a replay that failed again (a repeat of an open letter is not "
+                                     "another entity).", labels=["pipeline", "error_class"])
+        retries = CounterMetricFamily("redrive_retries_scheduled", "Failed attempts given another attempt later "
+                                      "(the entity falls due again), by stage and error class.",
                                       labels=["pipeline", "stage", "error_class"])
-        attempts = CounterMetricFamily("redrive_stage_attempts", "Stage attempts by outcome.",
-                                       labels=["pipeline", "stage", "outcome"])
-        latency = HistogramMetricFamily("redrive_stage_latency_seconds", "Duration of timed stage attempts.",
-                                        labels=["pipeline", "stage"])
+        attempts = CounterMetricFamily("redrive_stage_attempts", "Stage attempts as they end: ok; retry (failed, "
+                                       "tried again later); failed (failed for good: every such attempt, a rerun's "
+                                       "too).", labels=["pipeline", "stage", "outcome"])
+        latency = HistogramMetricFamily("redrive_stage_latency_seconds", "Duration of timed stage attempts, "
+                                        "whatever their outcome, in seconds.", labels=["pipeline", "stage"])
         done_by: dict[str, int] = dict.fromkeys(self.pipelines, 0)
-        failed_by: dict[tuple[str, str], int] = defaultdict(int)
         retry_by: dict[tuple[str, str, str], int] = defaultdict(int)
         attempts_by: dict[tuple[str, str, str], int] = defaultdict(int)
         hist: dict[tuple[str, str], tuple[list[int], float]] = {}
@@ -100,9 +105,7 @@ class PipelineCollector(Collector):
                 done_by[r.pipeline] = done_by.get(r.pipeline, 0) + r.count
                 continue
             attempts_by[(r.pipeline, r.stage, r.outcome)] += r.count
-            if r.outcome == obs.FAILED:
-                failed_by[(r.pipeline, r.error_class or "-")] += r.count
-            elif r.outcome == obs.RETRY:
+            if r.outcome == obs.RETRY:
                 retry_by[(r.pipeline, r.stage, r.error_class or "-")] += r.count
             buckets, total = hist.get((r.pipeline, r.stage), ([0] * (len(obs.BUCKETS) + 1), 0.0))
             hist[(r.pipeline, r.stage)] = ([a + b for a, b in zip(buckets, r.buckets, strict=False)],
@@ -110,7 +113,8 @@ class PipelineCollector(Collector):
         for pipeline, n in sorted(done_by.items()):
             done.add_metric([pipeline], n)
         for labels, n in sorted(failed_by.items()):
-            failed.add_metric(list(labels), n)
+            named = dict(labels)
+            failed.add_metric([named.get("pipeline", "-"), named.get("error_class") or "-"], n)
         for labels, n in sorted(retry_by.items()):
             retries.add_metric(list(labels), n)
         for labels, n in sorted(attempts_by.items()):
@@ -124,8 +128,8 @@ class PipelineCollector(Collector):
     def _letters(self, letters: Sequence[sa.Row], now: datetime) -> Iterator[Metric]:
         open_ = GaugeMetricFamily("redrive_dead_letters_open", "Dead letters not resolved (open, replaying, "
                                   "escalated), by error class.", labels=["pipeline", "error_class"])
-        oldest = GaugeMetricFamily("redrive_dead_letter_oldest_open_seconds",
-                                   "Age of the oldest unresolved dead letter's first failure.", labels=["pipeline"])
+        oldest = GaugeMetricFamily("redrive_dead_letter_oldest_open_seconds", "Seconds since the first failure of "
+                                   "the oldest unresolved dead letter (0 when none).", labels=["pipeline"])
         ages: dict[str, float] = dict.fromkeys(self.pipelines, 0.0)
         for pipeline, error_class, n, first in letters:
             open_.add_metric([pipeline, error_class], n)
@@ -135,16 +139,18 @@ class PipelineCollector(Collector):
         yield open_
         yield oldest
 
-    def _alerts(self, sent: Sequence[sa.Row]) -> Iterator[Metric]:
-        delivered = CounterMetricFamily("redrive_alerts_sent", "Alert messages delivered, by channel.",
+    def _alerts(self, sent: Mapping[tuple[tuple[str, str], ...], float],
+                pending_rows: Sequence[sa.Row]) -> Iterator[Metric]:
+        delivered = CounterMetricFamily("redrive_alerts_sent", "Alert messages a channel accepted, by channel; a "
+                                        "burst folded into one message (\"×3\") counts once.",
                                         labels=["pipeline", "channel"])
-        pending = GaugeMetricFamily("redrive_alerts_pending", "Alert deliveries not yet sent.",
-                                    labels=["pipeline", "channel"])
-        for pipeline, channel, status, n in sent:
-            if status == "sent":
-                delivered.add_metric([pipeline, channel], n)
-            elif status == "pending":
-                pending.add_metric([pipeline, channel], n)
+        pending = GaugeMetricFamily("redrive_alerts_pending", "Alert deliveries waiting to be sent (one per alert "
+                                    "and channel; a burst may go out as one message).", labels=["pipeline", "channel"])
+        for labels, n in sorted(sent.items()):
+            named = dict(labels)
+            delivered.add_metric([named.get("pipeline", "-"), named.get("channel", "-")], n)
+        for pipeline, channel, n in pending_rows:
+            pending.add_metric([pipeline, channel], n)
         yield delivered
         yield pending
 
@@ -194,10 +200,10 @@ class BreakerCollector(Collector):
         with self.engine.connect() as conn:
             names = set(conn.execute(sa.select(circuit_breakers.c.name)).scalars()) | set(self.known)
             states = [get_state(conn, name) for name in sorted(names)]
-        is_open = GaugeMetricFamily("redrive_circuit_breaker_open", "1 while the breaker holds the queue.",
+        is_open = GaugeMetricFamily("redrive_circuit_breaker_open", "1 while the breaker holds the queue, else 0.",
                                     labels=["breaker"])
-        open_time = CounterMetricFamily("redrive_circuit_breaker_open_seconds", "Time spent open, in seconds.",
-                                        labels=["breaker"])
+        open_time = CounterMetricFamily("redrive_circuit_breaker_open_seconds", "Seconds the breaker has spent open, "
+                                        "its current opening included.", labels=["breaker"])
         for state in states:
             is_open.add_metric([state.name], 1.0 if state.is_open else 0.0)
             open_time.add_metric([state.name], state.open_seconds(now))

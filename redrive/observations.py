@@ -4,13 +4,17 @@ Work runs in many processes (run workers, conversion workers, drains), so counte
 process's memory would each see a slice, and a run worker's die with it; a Prometheus
 multiprocess directory needs one shared disk, which run workers on other hosts (Kubernetes
 pods, ECS tasks) do not have. So the core adds each outcome to one row per (pipeline, stage,
-outcome, error class) — a counter and the latency histogram's buckets — and the metrics
-endpoint reads the rows at scrape time (:mod:`redrive.metrics`). Counters survive restarts
-and agree across processes; the cost is one upsert per stage attempt, in the transaction the
-caller already has where it has one.
+outcome, error class) — a counter and the latency histogram's buckets, spread over a few
+shard rows against hot-row contention (:mod:`redrive.counters`) — and the metrics endpoint
+reads the rows at scrape time (:mod:`redrive.metrics`). Counters survive restarts, agree
+across processes and never go back (the pruner deletes history, never these rows); a scrape
+reads one row per series and shard however long the history; the cost is one upsert per stage
+attempt, in the transaction the caller already has where it has one.
 
-Outcomes: ``ok`` (a stage attempt succeeded), ``retry`` (a failed attempt, retried later),
-``failed`` (failed for good: dead-lettered), ``done`` (an entity finished all its stages).
+Outcomes: ``ok`` (a stage attempt succeeded), ``retry`` (a failed attempt given another attempt
+later), ``failed`` (an attempt that failed for good: every one, a rerun's repeat of a dead-lettered
+failure too; how many *entities* were dead-lettered is the counter ``items_failed``),
+``done`` (an entity finished all its stages).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ stage_observations = sa.Table(
     sa.Column("stage", sa.Text, primary_key=True),
     sa.Column("outcome", sa.Text, primary_key=True),
     sa.Column("error_class", sa.Text, primary_key=True, server_default=""),
+    # the writer's backend picks one of a few rows per key (redrive.counters: hot rows); readers sum them
+    sa.Column("shard", sa.SmallInteger, primary_key=True, server_default="0"),
     sa.Column("count", sa.BigInteger, nullable=False, server_default="0"),
     # timed observations only: per bucket (not cumulative; the last is +Inf), and their sum in seconds
     sa.Column("buckets", ARRAY(sa.BigInteger), nullable=False),
@@ -84,24 +90,18 @@ def _add(conn: sa.Connection, pipeline: str, stage: str, outcome: str, error_cla
         raise ValueError(f"unknown outcome {outcome!r}")
     if count <= 0:
         return
-    buckets = [0] * (len(BUCKETS) + 1)
-    for seconds in timed:
-        buckets[bucket_of(seconds)] += 1
     conn.execute(_ADD, {"pipeline": pipeline, "stage": stage, "outcome": outcome, "error_class": error_class or "",
-                        "count": count, "buckets": buckets, "sum_seconds": float(sum(timed))})
+                        "count": count, "seconds": [float(s) for s in timed]})
 
 
-# Adds a count, per-bucket counts and a sum to the row (element by element for the buckets); one
-# compiled statement for every pipeline, stage and bucket.
-_ADD = sa.text(
-    "INSERT INTO stage_observations (pipeline, stage, outcome, error_class, count, buckets, sum_seconds) "
-    "VALUES (:pipeline, :stage, :outcome, :error_class, :count, CAST(:buckets AS bigint[]), :sum_seconds) "
-    "ON CONFLICT (pipeline, stage, outcome, error_class) DO UPDATE SET "
-    "count = stage_observations.count + excluded.count, "
-    "buckets = ARRAY(SELECT o.n + a.n FROM unnest(stage_observations.buckets) WITH ORDINALITY AS o(n, i) "
-    "JOIN unnest(excluded.buckets) WITH ORDINALITY AS a(n, i) USING (i) ORDER BY i), "
-    "sum_seconds = stage_observations.sum_seconds + excluded.sum_seconds, updated_at = now()"
-)
+# `redrive_observe` (migration 0020) buckets the durations the way `bucket_of` does and adds count,
+# buckets and sum to the row of the writer's shard: one implementation in SQL, so a pipeline that
+# counts in a trigger (conversion's job events) and a Python caller fill the same rows the same way.
+_ADD = sa.text("SELECT redrive_observe(:pipeline, :stage, :outcome, :error_class, :count, "
+               "CAST(:seconds AS float8[]))")
+
+# The function's bucket bounds are these (a test compares it with `bucket_of`).
+OBSERVE_FUNCTION_BOUNDS = "{" + ",".join(repr(b) for b in BUCKETS) + "}"
 
 
 @dataclass(frozen=True)
@@ -116,8 +116,15 @@ class Observation:
 
 
 def read_all(conn: sa.Connection) -> list[Observation]:
+    """Every (pipeline, stage, outcome, error class), its shards summed."""
     t = stage_observations
+    merged: dict[tuple[str, str, str, str], tuple[int, list[int], float]] = {}
     rows = conn.execute(sa.select(t.c.pipeline, t.c.stage, t.c.outcome, t.c.error_class, t.c.count, t.c.buckets,
-                                  t.c.sum_seconds).order_by(t.c.pipeline, t.c.stage, t.c.outcome, t.c.error_class))
-    return [Observation(r.pipeline, r.stage, r.outcome, r.error_class, r.count, tuple(r.buckets), r.sum_seconds)
-            for r in rows]
+                                  t.c.sum_seconds))
+    for r in rows:
+        key = (r.pipeline, r.stage, r.outcome, r.error_class)
+        count, buckets, total = merged.get(key, (0, [0] * (len(BUCKETS) + 1), 0.0))
+        merged[key] = (count + r.count, [a + b for a, b in zip(buckets, r.buckets, strict=False)],
+                       total + r.sum_seconds)
+    return [Observation(*key, count, tuple(buckets), total)
+            for key, (count, buckets, total) in sorted(merged.items())]

@@ -16,7 +16,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from redrive import alerts, deadletters, observations, timers
+from redrive import alerts, counters, deadletters, observations, timers
 from redrive.alerts import Alert, Channel, DispatchReport
 from redrive.clock import Clock, SystemClock
 from redrive.deadletters import FinalFailure, Recorded
@@ -67,10 +67,12 @@ class Reliability:
         """The dead letter and, when it is new or a replay failed, its alert (no sending here)."""
         recorded = deadletters.record(conn, final)
         letter = recorded.dead_letter
+        # every pipeline's final failures pass here: each is an attempt that failed for good (a rerun that
+        # fails again is one more, though its letter only counts an occurrence), and a new letter or a
+        # failed replay is one more dead-lettered entity (`redrive_items_failed_total`)
+        observations.observe(conn, final.pipeline, final.stage, observations.FAILED, error_class=final.failure.code)
         if recorded.created or recorded.replay_failed:
-            # every pipeline's final failures pass here: the one place `redrive_items_failed_total` is counted
-            observations.observe(conn, final.pipeline, final.stage, observations.FAILED,
-                                 error_class=final.failure.code)
+            counters.add(conn, counters.ITEMS_FAILED, {"pipeline": final.pipeline, "error_class": final.failure.code})
             kind = "escalation" if recorded.escalated else ("replay_failed" if recorded.replay_failed else "dead_letter")
             what = {
                 "dead_letter": "dead-lettered",

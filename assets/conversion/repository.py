@@ -679,24 +679,6 @@ FROM conversion_jobs WHERE status IN ('queued', 'processing')"""), {"now": now})
     return {"due": row.due, "scheduled": row.scheduled, "processing": row.processing}
 
 
-def event_counts(conn: sa.Connection) -> dict[tuple[str, str], int]:
-    """Events by (event, error code or reason): the counters /metrics exposes."""
-    rows = conn.execute(sa.text("""\
-SELECT event, COALESCE(meta->>'error_code', meta->>'reason', meta->>'write', '') AS label, count(*) AS n
-FROM conversion_job_events GROUP BY 1, 2"""))
-    return {(r.event, r.label): r.n for r in rows}
-
-
-def timed_event_buckets(conn: sa.Connection, bounds: Sequence[float]) -> list[sa.Row]:
-    """Completions and retries by (event, error code, duration bucket): count and summed seconds (metrics)."""
-    return conn.execute(sa.text("""\
-SELECT event, COALESCE(meta->>'error_code', '') AS code, width_bucket(d, CAST(:bounds AS float8[])) AS bucket,
-       count(*) AS n, COALESCE(sum(d), 0) AS total
-FROM (SELECT event, meta, (meta->>'duration_ms')::float8 / 1000 AS d FROM conversion_job_events
-      WHERE event IN ('complete', 'retry')) e
-GROUP BY 1, 2, 3"""), {"bounds": list(bounds)}).all()
-
-
 def due_and_oldest(conn: sa.Connection, now: datetime) -> tuple[int, datetime | None]:
     """Queued jobs whose time has come, and when the oldest of them became due."""
     due_at = sa.func.coalesce(conversion_jobs.c.retry_after, conversion_jobs.c.queued_at)

@@ -15,7 +15,7 @@ import logging
 import posixpath
 import tempfile
 import zipfile
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -204,6 +204,14 @@ def row_final_failure(summary: repo.RowSummary) -> Failure | None:
     )
 
 
+def retried_class(result: RowResult) -> str | None:
+    """The error class this pass's retryable artifact failures are counted under (the most frequent;
+    None when the pass only waits for artifacts of earlier passes)."""
+    codes = Counter(r.error_code or Code.UNKNOWN.value for r in result.results
+                    if r.status == policy.FAILED and not r.final)
+    return min(codes, key=lambda c: (-codes[c], c)) if codes else None
+
+
 def row_handler(runtime: Reliability, case_api: CaseApiClient, *, max_attempts: int,
                 hooks: WorkerHooks | None = None, run_id: str | None = None) -> Handler:
     """How the core's drain works one row (entity `<file job>/<row>`): attempt what is due, then settle.
@@ -223,13 +231,15 @@ def row_handler(runtime: Reliability, case_api: CaseApiClient, *, max_attempts: 
         attempt.payload_ref = {"table": "file_job_row", "id": str(row_id), "file_job_id": str(job_id)}
         attempt.context = {"file_job_id": str(job_id), "row_id": str(row_id)}
         mode: policy.Mode = "replay" if attempt.replay_of is not None else "retry"
+        # counted as it settles: a pass with artifacts failing retryably is a retry, not an ok attempt
         out = attempt.stage("attach", lambda: {"result": attach.process_row(job_id, row_id, mode=mode)},
-                            checkpoint=False)
+                            checkpoint=False, observe=False)
         result: RowResult = out["result"]
         summary = result.summary
         assert summary is not None
         attempt.context.update(case_ref=summary.case_ref, evidence_status=summary.status)
         if not summary.settled:
+            attempt.retry_error_class = retried_class(result)
             with runtime.engine.connect() as conn:
                 due = repo.next_retry_at(conn, job_id, row_id)
             # nothing retryable dated (cannot happen by policy): look again in a minute rather than spin

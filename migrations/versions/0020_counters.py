@@ -1,0 +1,96 @@
+"""counters that never go back (issue 28): metric_counters, sharded stage observations, redrive_observe()
+
+Revision ID: 0020
+Revises: 0006
+Create Date: 2026-11-26 18:40:00.000000
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+from sqlalchemy.dialects import postgresql
+
+revision: str = '0020'
+down_revision: str | None = '0006'
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+# redrive.observations.BUCKETS when this was written (a test checks the function against the code).
+BOUNDS = "{0.005,0.01,0.025,0.05,0.1,0.25,0.5,1.0,2.5,5.0,10.0,30.0,60.0,120.0}"
+SHARDS = 16
+
+# Adds `p_count` outcomes to the writer's shard row: the non-negative durations of `p_seconds` are
+# bucketed (bucket i = number of bounds below the duration, the last one +Inf) and summed.
+OBSERVE = f"""
+CREATE OR REPLACE FUNCTION redrive_observe(p_pipeline text, p_stage text, p_outcome text, p_error_class text,
+                                           p_count bigint, p_seconds float8[]) RETURNS void
+LANGUAGE sql AS $$
+WITH timed AS (
+    SELECT x FROM unnest(COALESCE(p_seconds, CAST('{{}}' AS float8[]))) AS u(x) WHERE x >= 0
+), indexed AS (
+    SELECT (SELECT count(*) FROM unnest(CAST('{BOUNDS}' AS float8[])) AS b(v) WHERE b.v < timed.x) AS i, x
+    FROM timed
+)
+INSERT INTO stage_observations (pipeline, stage, outcome, error_class, shard, count, buckets, sum_seconds)
+SELECT p_pipeline, p_stage, p_outcome, COALESCE(p_error_class, ''), CAST(pg_backend_pid() % {SHARDS} AS smallint),
+       p_count,
+       ARRAY(SELECT count(indexed.x) FROM generate_series(0, cardinality(CAST('{BOUNDS}' AS float8[]))) AS g(i)
+             LEFT JOIN indexed ON indexed.i = g.i GROUP BY g.i ORDER BY g.i),
+       COALESCE((SELECT sum(x) FROM timed), 0)
+WHERE p_count > 0
+ON CONFLICT (pipeline, stage, outcome, error_class, shard) DO UPDATE SET
+    count = stage_observations.count + excluded.count,
+    buckets = ARRAY(SELECT o.n + a.n FROM unnest(stage_observations.buckets) WITH ORDINALITY AS o(n, i)
+                    JOIN unnest(excluded.buckets) WITH ORDINALITY AS a(n, i) USING (i) ORDER BY i),
+    sum_seconds = stage_observations.sum_seconds + excluded.sum_seconds,
+    updated_at = now()
+$$
+"""
+
+
+def upgrade() -> None:
+    op.create_table('metric_counters',
+    sa.Column('name', sa.Text(), nullable=False),
+    sa.Column('labels', postgresql.JSONB(astext_type=sa.Text()), server_default=sa.text("'{}'::jsonb"),
+              nullable=False),
+    sa.Column('shard', sa.SmallInteger(), server_default='0', nullable=False),
+    sa.Column('value', sa.Float(), server_default='0', nullable=False),
+    sa.Column('updated_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
+    sa.PrimaryKeyConstraint('name', 'labels', 'shard', name=op.f('pk_metric_counters'))
+    )
+    op.add_column('stage_observations', sa.Column('shard', sa.SmallInteger(), server_default='0', nullable=False))
+    op.drop_constraint('pk_stage_observations', 'stage_observations', type_='primary')
+    op.create_primary_key('pk_stage_observations', 'stage_observations',
+                          ['pipeline', 'stage', 'outcome', 'error_class', 'shard'])
+    op.execute(OBSERVE)
+    # Counters that were derived from history until now start from what the history says, so they go on
+    # from there instead of dropping to zero: dead-lettered entities (the `failed` observations until now)
+    # and alert messages (one per channel, group and sending time: a folded burst was one message).
+    op.execute("""
+INSERT INTO metric_counters (name, labels, shard, value)
+SELECT 'items_failed', jsonb_build_object('error_class', error_class, 'pipeline', pipeline), 0, sum(count)
+FROM stage_observations WHERE outcome = 'failed' GROUP BY pipeline, error_class""")
+    op.execute("""
+INSERT INTO metric_counters (name, labels, shard, value)
+SELECT 'alerts_sent', jsonb_build_object('channel', channel, 'pipeline', pipeline), 0, count(*)
+FROM (SELECT DISTINCT a.pipeline, d.channel, a.group_key, d.sent_at
+      FROM alert_deliveries AS d JOIN alerts AS a ON a.id = d.alert_id WHERE d.status = 'sent') AS m
+GROUP BY pipeline, channel""")
+
+
+def downgrade() -> None:
+    op.execute("DROP FUNCTION IF EXISTS redrive_observe(text, text, text, text, bigint, float8[])")
+    op.execute("""
+DELETE FROM stage_observations AS o USING (
+    SELECT pipeline, stage, outcome, error_class, min(shard) AS keep FROM stage_observations
+    GROUP BY 1, 2, 3, 4 HAVING count(*) > 1) AS d
+WHERE o.pipeline = d.pipeline AND o.stage = d.stage AND o.outcome = d.outcome AND o.error_class = d.error_class
+  AND o.shard <> d.keep""")  # loses the other shards' counts: a downgrade is for an emergency
+    op.drop_constraint('pk_stage_observations', 'stage_observations', type_='primary')
+    op.create_primary_key('pk_stage_observations', 'stage_observations',
+                          ['pipeline', 'stage', 'outcome', 'error_class'])
+    op.drop_column('stage_observations', 'shard')
+    op.drop_table('metric_counters')
