@@ -10,6 +10,8 @@
     redrive alerts dispatch
     redrive db upgrade | downgrade
     redrive metrics serve [--host H] [--port P]
+    redrive retention plan [--json]
+    redrive retention run [--batch-size N] [--pause S]
 
 A replay marks the dead letter `replaying`; the `redrive_dead_letter_replays` sensor
 starts the run (from the failed stage unless --from-start). Errors are one line,
@@ -122,6 +124,11 @@ def db() -> None:
 @app.group("alerts", cls=_Group)
 def alerts_app() -> None:
     """alert delivery"""
+
+
+@app.group("retention", cls=_Group)
+def retention_app() -> None:
+    """what is kept how long, and the pruner"""
 
 
 def json_option(f: Any) -> Any:
@@ -448,6 +455,55 @@ def metrics_serve(host: str, port: int) -> None:
     with database_url() as url:
         click.echo(f"serving http://{host}:{port}/metrics", err=True)
         serve(engine_for(url), SystemClock(), host, port)
+
+
+@retention_app.command("plan")
+@json_option
+def retention_plan(as_json: bool) -> None:
+    """What `retention run` would remove now, rule by rule (changes nothing)."""
+    from orchestration.registry import retention_rules
+    from redrive import retention
+    from redrive.clock import SystemClock
+    from redrive.db import engine_for
+    from redrive.settings import Settings
+
+    settings = Settings()
+    with database_url() as url:
+        planned = retention.plan(engine_for(url), retention_rules(settings), settings, SystemClock().now())
+    out = [{"rule": p.rule.name, "action": p.rule.action, "kept_days": p.days, "setting": p.rule.keep.upper(),
+            "rows": p.rows, "oldest": p.oldest, "what": p.rule.what} for p in planned]
+    if as_json:
+        click.echo(json.dumps(out, default=str, indent=2))
+        return
+    for p in out:
+        kept = "for ever" if p["kept_days"] <= 0 else f"{p['kept_days']:g} days"
+        oldest = f", oldest {p['oldest']:%Y-%m-%d %H:%M}" if p["oldest"] else ""
+        click.echo(f"{p['rule']}: {p['action']} {p['rows']} rows{oldest} (kept {kept}, {p['setting']}): {p['what']}")
+    click.echo(f"{sum(p['rows'] for p in out)} rows would go; open, due, leased, retrying or dead-lettered work never")
+
+
+@retention_app.command("run")
+@click.option("--batch-size", type=int, default=None, help="rows per batch (RETENTION_BATCH_SIZE)")
+@click.option("--pause", type=float, default=None, help="seconds between batches (RETENTION_PAUSE_SECONDS)")
+def retention_run(batch_size: int | None, pause: float | None) -> None:
+    """Remove what has expired now (the hourly `retention_schedule` does this too; Dagster runs excepted)."""
+    from orchestration.registry import retention_rules
+    from redrive import retention
+    from redrive.clock import SystemClock
+    from redrive.db import engine_for
+    from redrive.settings import Settings
+
+    settings = Settings()
+    with database_url() as url:
+        pruned = retention.prune(engine_for(url), retention_rules(settings), settings, SystemClock().now(),
+                                 batch_size=batch_size or settings.retention_batch_size,
+                                 pause_seconds=settings.retention_pause_seconds if pause is None else pause,
+                                 max_seconds=settings.retention_max_run_seconds)
+    for rule, n in pruned.rows.items():
+        if n:
+            click.echo(f"{rule}: {n} rows")
+    click.echo(f"{pruned.total} rows in {pruned.batches} batches, {pruned.files} files"
+               + ("" if pruned.complete else "; stopped at RETENTION_MAX_RUN_SECONDS, run again to go on"))
 
 
 def main() -> None:  # pragma: no cover - console entry

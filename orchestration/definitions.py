@@ -9,6 +9,7 @@ from assets.healthcheck import stack_healthcheck
 from orchestration.jobs import healthcheck_job
 from orchestration.metrics import pipeline_sources
 from orchestration.registry import load_pipelines
+from orchestration.retention import retention_defs
 from redrive import logs
 from redrive.settings import Settings
 from resources.factory import build_resources
@@ -38,11 +39,12 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     backlogs, backlog_checks, backlog_job = backlog_defs(names, sources, settings.dead_letter_max_age_hours,
                                             settings.due_work_max_wait_seconds)
     assets = [stack_healthcheck, *backlogs, *[a for p in pipelines for a in p.assets]]
+    retention_job, retention_schedule = retention_defs(settings)
     return dg.Definitions(
         assets=assets,
         asset_checks=[*backlog_checks, *[c for p in pipelines for c in p.asset_checks]],
-        jobs=[healthcheck_job, backlog_job, *[j for p in pipelines for j in p.jobs]],
-        schedules=[s for p in pipelines for s in p.schedules],
+        jobs=[healthcheck_job, backlog_job, retention_job, *[j for p in pipelines for j in p.jobs]],
+        schedules=[retention_schedule, *[s for p in pipelines for s in p.schedules]],
         sensors=[
             alert_delivery_sensor(),
             run_failure_alert_sensor(asset_pipelines_of(a for a in assets if isinstance(a, dg.AssetsDefinition))),

@@ -49,11 +49,15 @@ class Pipeline:
     # module counting the pipeline's work in tables of its own: SOURCE (redrive.metrics.PipelineSource) and
     # collectors(engine, clock); None when the core's stage observations count all of it
     metrics: str | None = None
+    # "module:function" with `(settings) -> [redrive.retention.Rule]`: what the core pruner removes of the
+    # pipeline's rows and files, and when (docs/operating.md, Retention); None: it keeps nothing of its own
+    retention: str | None = None
 
 
 def _pipeline(name: str, metrics: str | None = None, **commands: str) -> Pipeline:
     return Pipeline(name=name, wiring=f"orchestration.pipelines.{name}", schema=f"assets.{name}.repository",
-                    demo=f"orchestration.demos.{name}", commands=commands, metrics=metrics)
+                    demo=f"orchestration.demos.{name}", commands=commands, metrics=metrics,
+                    retention=f"assets.{name}.repository:retention_rules")
 
 
 # In seed order; the rehearsal pipeline is the core's own two-stage example.
@@ -77,6 +81,18 @@ def selected(names: Iterable[str] | None = None) -> tuple[Pipeline, ...]:
         return PIPELINES
     wanted = set(names)
     return tuple(p for p in PIPELINES if p.name in wanted)
+
+
+def retention_rules(settings: Settings) -> list[Any]:
+    """Every pipeline's retention rules, then the core's (redrive.retention.all_rules), for the one pruner."""
+    from redrive.retention import all_rules
+
+    rules = []
+    for pipeline in PIPELINES:
+        if pipeline.retention is not None:
+            module, _, attr = pipeline.retention.partition(":")
+            rules += getattr(importlib.import_module(module), attr)(settings)
+    return all_rules(rules)
 
 
 def load_pipelines(settings: Settings, names: Iterable[str] | None = None) -> list[PipelineDefs]:
@@ -130,6 +146,11 @@ def missing_pieces(pipeline: Pipeline, settings: Settings) -> list[str]:
         loaded = load(module, f"command {name}")
         if loaded is not None and not hasattr(loaded, attr):
             missing.append(f"command {name}: {target} does not exist")
+    if pipeline.retention is not None:
+        module, _, attr = pipeline.retention.partition(":")
+        loaded = load(module, "retention")
+        if loaded is not None and not callable(getattr(loaded, attr, None)):
+            missing.append(f"retention: {pipeline.retention} does not exist")
     if pipeline.metrics is not None:
         source = load(pipeline.metrics, "metrics")
         if source is not None and not (hasattr(source, "SOURCE") and callable(getattr(source, "collectors", None))):

@@ -67,6 +67,7 @@ dead_letters = sa.Table(
         postgresql_where=sa.text("status <> 'resolved'"),
     ),
     sa.Index("ix_dead_letters_triage", "pipeline", "status", "error_class", "last_failure_at"),
+    sa.Index("ix_dead_letters_resolved", "resolved_at", postgresql_where=sa.text("status = 'resolved'")),  # pruner
 )
 
 alerts = sa.Table(
@@ -87,6 +88,7 @@ alerts = sa.Table(
     sa.Column("attempts", sa.Integer),
     sa.Column("link", sa.Text),
     sa.Column("created_at", TZ, nullable=False, server_default=NOW),
+    sa.Index("ix_alerts_created_at", "created_at"),  # the pruner's range
 )
 
 alert_deliveries = sa.Table(
@@ -126,6 +128,7 @@ deferred_attempts = sa.Table(
     sa.UniqueConstraint("pipeline", "entity_ref", "attempt"),
     sa.CheckConstraint("status IN ('waiting', 'requested', 'cancelled')", name="status"),
     sa.Index("ix_deferred_attempts_due", "due_at", postgresql_where=sa.text("status = 'waiting'")),
+    sa.Index("ix_deferred_attempts_finished", "due_at", postgresql_where=sa.text("status <> 'waiting'")),  # pruner
 )
 
 # Outputs of completed stages, so a replay starts at the failed stage (002 §8.5).
@@ -137,6 +140,7 @@ stage_checkpoints = sa.Table(
     sa.Column("stage", sa.Text, primary_key=True),
     sa.Column("output", JSONB, nullable=False),
     sa.Column("completed_at", TZ, nullable=False, server_default=NOW),
+    sa.Index("ix_stage_checkpoints_completed_at", "completed_at"),  # the pruner's range
 )
 
 # The foundation's smoke job proves each dependency end to end and leaves a trace here.
@@ -176,4 +180,5 @@ work_items = sa.Table(
     sa.Index("ix_work_items_claim", "pipeline", "due_at", postgresql_where=sa.text("status IN ('due', 'leased')")),
     sa.Index("ix_work_items_group_claim", "pipeline", "group_key", "due_at",
              postgresql_where=sa.text("status IN ('due', 'leased') AND group_key IS NOT NULL")),
+    sa.Index("ix_work_items_finished", "updated_at", postgresql_where=sa.text("status IN ('done', 'dead')")),  # pruner
 )

@@ -63,6 +63,37 @@ class Settings(BaseSettings):
     due_work_max_wait_seconds: float = Field(
         default=900.0, gt=0, description="Due work waiting longer than this fails its pipeline's check (stuck).")
 
+    # --- retention (redrive.retention; docs/operating.md "Retention"): days after a row finished, 0 = for ever ---
+    retention_finished_work_days: float = Field(
+        default=7.0, description="Finished work: done work-queue rows, started timers, stage checkpoints, "
+        "pipelines' finished entities (an entity with anything open is never touched).")
+    retention_resolved_dead_letter_days: float = Field(
+        default=90.0, description="Resolved dead letters, from their resolution (an unresolved one is kept for ever).")
+    retention_alert_days: float = Field(default=90.0, description="Alerts and their deliveries, once none is pending.")
+    retention_healthcheck_days: float = Field(default=30.0, description="The smoke job's traces.")
+    retention_personal_data_days: float = Field(
+        default=7.0, description="Personal fields (addresses, URLs, payloads) of records kept longer as idempotency "
+        "keys or audit: cleared, the rest kept.")
+    retention_idempotency_days: float = Field(
+        default=90.0, description="Records kept as idempotency keys or audit (criticizer requests, review jobs, "
+        "evidence file jobs, revoked API tokens), personal fields already cleared.")
+    retention_conversion_files_days: float = Field(
+        default=30.0, description="A conversion job's PDF and XML, from the job's end; afterwards its download and "
+        "Retry answer 410 EXPIRED (003).")
+    retention_conversion_job_days: float = Field(
+        default=90.0, description="A conversion job's row and events, from the job's end (its files went first).")
+    retention_matching_document_days: float = Field(
+        default=365.0, description="Matched documents (the corpus new documents are matched against) and their "
+        "matches, from their last change.")
+    retention_batch_size: int = Field(default=1000, gt=0, description="Rows per pruner batch (one transaction).")
+    retention_pause_seconds: float = Field(default=0.2, ge=0, description="Pause between two pruner batches.")
+    retention_max_run_seconds: float = Field(default=900.0, gt=0, description="A pruner run stops after this; the "
+                                             "next one goes on.")
+    retention_dagster_run_days: float = Field(
+        default=7.0, description="Dagster runs of drain and maintenance jobs that succeeded (or were canceled).")
+    retention_dagster_failed_run_days: float = Field(
+        default=30.0, description="Dagster runs of drain and maintenance jobs that failed.")
+
     # --- keys (redrive.keys; unset: generated once per install under REDRIVE_DATA_DIR/keys) ---------
     redrive_redaction_key: SecretStr | None = Field(
         default=None, description="HMAC key of redaction markers, so a redacted phone number cannot be guessed back."

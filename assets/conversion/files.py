@@ -240,5 +240,8 @@ class FileStore:
     def result_path(self, location: str) -> Path:
         return self.results / Path(location).name
 
+    def delete_result(self, location: str) -> None:
+        self.result_path(location).unlink(missing_ok=True)
+
     def result_present(self, location: str | None) -> bool:
         return bool(location) and self.result_path(location).is_file()  # type: ignore[arg-type]

@@ -58,6 +58,7 @@ conversion_jobs = sa.Table(
     sa.Column("error_code", sa.Text),
     sa.Column("error_message", sa.Text),
     sa.Column("dead_letter", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("files_deleted_at", TZ),  # retention removed its PDF and XML: download and Retry say EXPIRED
     sa.Column("created_at", TZ, nullable=False, server_default=NOW),
     sa.Column("updated_at", TZ, nullable=False, server_default=NOW),
     sa.CheckConstraint("status IN ('queued', 'processing', 'succeeded', 'failed')", name="status"),
@@ -73,6 +74,11 @@ conversion_jobs = sa.Table(
              postgresql_where=sa.text("status = 'queued' AND retry_after IS NULL")),
     sa.Index("ix_conversion_jobs_lease", "lease_expires_at", postgresql_where=sa.text("status = 'processing'")),
     sa.Index("ix_conversion_jobs_owner_created", "owner", "created_at"),
+    # the pruner's ranges (redrive.retention): finished jobs by age, with and without their files
+    sa.Index("ix_conversion_jobs_finished_files", "updated_at",
+             postgresql_where=sa.text("status IN ('succeeded', 'failed') AND files_deleted_at IS NULL")),
+    sa.Index("ix_conversion_jobs_finished", "updated_at",
+             postgresql_where=sa.text("status IN ('succeeded', 'failed') AND files_deleted_at IS NOT NULL")),
 )
 
 conversion_job_events = sa.Table(
@@ -99,6 +105,7 @@ conversion_api_tokens = sa.Table(
     sa.Column("label", sa.Text),
     sa.Column("created_at", TZ, nullable=False, server_default=NOW),
     sa.Column("revoked_at", TZ),
+    sa.Index("ix_conversion_api_tokens_revoked_at", "revoked_at", postgresql_where=sa.text("revoked_at IS NOT NULL")),
 )
 
 # ------------------------------------------------------------------------------------------ records
@@ -735,3 +742,37 @@ def failed_for_good(conn: sa.Connection, limit: int) -> list[FinalFailure]:
         context={"job_id": str(r.id), "error_code": r.error_code, "reconciled": True},
         payload_ref={"table": "conversion_jobs", "id": str(r.id)},
     ) for r in rows]
+
+
+# ---------------------------------------------------------------------------------------- retention
+
+
+def retention_rules(settings: Any) -> list[Any]:
+    """What the pruner removes of conversion (redrive.retention): a finished job's files first (its
+    download and Retry then answer 410 EXPIRED, as 003 promises for a file no longer stored), its row
+    and events later; revoked tokens. A job with an open dead letter keeps everything (its owner may
+    still press Retry)."""
+    from assets.conversion.settings import ConversionSettings, file_store
+    from redrive.retention import Entity, Rule
+
+    job = Entity("conversion", "CAST(t.id AS text)")
+    finished = "t.status IN ('succeeded', 'failed')"
+
+    def remove(rows: Sequence[Mapping[str, Any]]) -> None:
+        store = file_store(ConversionSettings())
+        for row in rows:
+            if row.get("source_location"):
+                store.delete_source(row["source_location"])
+            if row.get("result_location"):
+                store.delete_result(row["result_location"])
+
+    return [
+        Rule("conversion.files", "conversion_jobs", ("id",), "retention_conversion_files_days", "t.updated_at",
+             f"{finished} AND t.files_deleted_at IS NULL", "a finished job's uploaded PDF and result XML",
+             entity=job, scrub={"files_deleted_at": ":now"}, files=("source_location", "result_location"),
+             remove=remove),
+        Rule("conversion.jobs", "conversion_jobs", ("id",), "retention_conversion_job_days", "t.updated_at",
+             f"{finished} AND t.files_deleted_at IS NOT NULL", "a finished job's row and its events", entity=job),
+        Rule("conversion.tokens", "conversion_api_tokens", ("token_sha256",), "retention_idempotency_days",
+             "t.revoked_at", "t.revoked_at IS NOT NULL", "revoked API tokens"),
+    ]

@@ -48,6 +48,10 @@ criticizer_requests = sa.Table(
     sa.CheckConstraint("status IN ('submitted', 'processing', 'done')", name="status"),
     # the new-requests sensor reads only these
     sa.Index("ix_criticizer_requests_submitted", "created_at", postgresql_where=sa.text("status = 'submitted'")),
+    # the pruner's ranges (redrive.retention): done requests, before and after their personal fields went
+    sa.Index("ix_criticizer_requests_done_personal", "completed_at",
+             postgresql_where=sa.text("status = 'done' AND artifact_url <> ''")),
+    sa.Index("ix_criticizer_requests_done", "completed_at", postgresql_where=sa.text("status = 'done'")),
 )
 
 criticizer_deliveries = sa.Table(
@@ -234,3 +238,22 @@ def counts(conn: sa.Connection, request_ids: Sequence[str]) -> dict[str, int]:
         .group_by(criticizer_requests.c.status)
     )
     return {status: n for status, n in rows}
+
+
+def retention_rules(settings: Any) -> list[Any]:
+    """A done request's personal fields (artifact URL, rubric, webhook URL and headers, critique) are cleared
+    after the personal-data window; the rest (its id and fingerprint: 002's idempotency on resubmission,
+    and its delivery keys) is kept for the idempotency window, then deleted with its deliveries."""
+    from redrive.retention import Entity, Rule
+
+    request = Entity("criticizer", "t.request_id")
+    return [
+        Rule("criticizer.personal", "criticizer_requests", ("request_id",), "retention_personal_data_days",
+             "t.completed_at", "t.status = 'done' AND t.artifact_url <> ''",
+             "a done request's artifact URL, rubric, webhook URL and headers, critique", entity=request,
+             scrub={"artifact_url": "''", "rubric": "''", "webhook_url": "''",
+                    "webhook_headers": "CAST('{}' AS jsonb)", "critique": "NULL"}),
+        Rule("criticizer.requests", "criticizer_requests", ("request_id",), "retention_idempotency_days",
+             "t.completed_at", "t.status = 'done'", "done requests (their id and fingerprint) and deliveries",
+             entity=request),
+    ]

@@ -76,6 +76,7 @@ file_job = sa.Table(
     _enum_check("status", policy.FILE_JOB_STATUSES, "status"),
     # 004 §5 timeout safeguard: jobs whose N2 is still open, by N1 time.
     sa.Index("ix_file_job_n2_open", "n1_sent_at", postgresql_where=sa.text("n2_requested_at IS NULL")),
+    sa.Index("ix_file_job_n2_sent_at", "n2_sent_at", postgresql_where=sa.text("n2_sent_at IS NOT NULL")),  # pruner
 )
 
 file_job_row = sa.Table(
@@ -191,6 +192,10 @@ evidence_outbox = sa.Table(
     sa.Index("ix_evidence_outbox_pending", "seq", postgresql_where=sa.text("status = 'PENDING'")),
     sa.Index("ix_evidence_outbox_published", "published_at", postgresql_where=sa.text("status = 'PUBLISHED'")),
     sa.Index("ix_evidence_outbox_file_job", "file_job_id", "event_type"),
+    # the pruner's range: sent notifications whose payload still names the merchant's address
+    sa.Index("ix_evidence_outbox_notified", "consumed_at",
+             postgresql_where=sa.text("status = 'CONSUMED' AND event_type IN ('EVIDENCE_N1_REQUESTED', "
+                                      "'EVIDENCE_N2_REQUESTED') AND (payload ->> 'to') <> 'redacted'")),
 )
 
 evidence_scheduler_ticks = sa.Table(
@@ -795,3 +800,32 @@ def failed_for_good(conn: sa.Connection, limit: int) -> list[FinalFailure]:
             payload_ref={"table": "file_job_row", "id": str(r.file_job_row_id), "file_job_id": str(r.file_job_id)},
         ))
     return out
+
+
+def retention_rules(settings: Any) -> list[Any]:
+    """A file job is finished once N2 went (004 §5). After the personal-data window the merchant's address
+    is cleared from the job and from its sent notifications (their text stays, for the audit); after the
+    idempotency window the job goes with its rows, artifacts and outbox events. A job with a row still
+    due, leased, retrying or dead-lettered, or an event not consumed, keeps everything. The evidence
+    files in S3 are not removed here: an S3 lifecycle rule on the bucket's `files/` prefix does that
+    (docs/operating.md, Retention)."""
+    from redrive.retention import Entity, Rule
+
+    job = Entity("evidence", "CAST(t.id AS text)", separator="/")
+    unsettled = ("NOT EXISTS (SELECT 1 FROM evidence_outbox AS o WHERE o.file_job_id = t.id "
+                 "AND o.status IN ('PENDING', 'PUBLISHED'))")
+    return [
+        Rule("evidence.notify_to", "file_job", ("id",), "retention_personal_data_days", "t.n2_sent_at",
+             f"t.n2_sent_at IS NOT NULL AND t.notify_to <> '' AND {unsettled}", "a finished file job's merchant address",
+             entity=job, scrub={"notify_to": "''"}),
+        Rule("evidence.notification_payloads", "evidence_outbox", ("event_id",), "retention_personal_data_days",
+             "t.consumed_at", "t.status = 'CONSUMED' AND t.event_type IN ('EVIDENCE_N1_REQUESTED', "
+             "'EVIDENCE_N2_REQUESTED') AND (t.payload ->> 'to') <> 'redacted'",
+             "the address in a sent N1/N2 (its text stays)",
+             entity=Entity("evidence", "CAST(t.file_job_id AS text)", separator="/"),
+             scrub={"payload": "jsonb_set(t.payload, '{to}', to_jsonb(CAST('redacted' AS text)))"}),
+        Rule("evidence.file_jobs", "file_job", ("id",), "retention_idempotency_days", "t.n2_sent_at",
+             f"t.n2_sent_at IS NOT NULL AND {unsettled}", "finished file jobs with their rows, artifacts, events",
+             entity=job, children=(("file_job_artifact", "file_job_id"), ("file_job_row", "file_job_id"),
+                                   ("evidence_outbox", "file_job_id"))),
+    ]

@@ -65,6 +65,8 @@ document = sa.Table(
         "matching_started_at",
         postgresql_where=sa.text("matching_status = 'in-progress'"),
     ),
+    sa.Index("ix_document_settled", "updated_at",
+             postgresql_where=sa.text("matching_status IN ('succeeded', 'failed')")),  # the pruner's range
 )
 
 # The LSH bands again, one row per (tenant, band, document), kept equal to `document.embedding_bands`
@@ -593,3 +595,13 @@ def failed_for_good(conn: sa.Connection, limit: int) -> list[FinalFailure]:
             context={"reconciled": True}, payload_ref={"table": "document", "document_id": r.id},
         ))
     return out
+
+
+def retention_rules(settings: Any) -> list[Any]:
+    """Settled documents (with their bands and matches) after the matching-document window, counted from
+    their last change: they are the corpus new documents are matched against, so the window is long."""
+    from redrive.retention import Entity, Rule
+
+    return [Rule("matching.documents", "document", ("id",), "retention_matching_document_days", "t.updated_at",
+                 "t.matching_status IN ('succeeded', 'failed')", "settled documents, their bands and matches",
+                 entity=Entity("matching", "t.id"))]

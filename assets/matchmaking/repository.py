@@ -10,6 +10,8 @@ the transaction.
 
 from __future__ import annotations
 
+from typing import Any
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime
@@ -65,6 +67,8 @@ matchmaking_jobs = sa.Table(
     sa.CheckConstraint("status IN ('pending', 'running', 'completed', 'failed')", name="status"),
     sa.Index("idx_matchmaking_jobs_status", "status"),
     sa.Index("idx_matchmaking_jobs_date_timezone", "date", "timezone"),
+    sa.Index("ix_matchmaking_jobs_finished", "completed_at",
+             postgresql_where=sa.text("status IN ('completed', 'failed')")),  # the pruner's range
 )
 
 matchmaking_offers = sa.Table(
@@ -271,3 +275,16 @@ def partition_health(conn: sa.Connection, day: date, timezone: str) -> Partition
     row = conn.execute(_HEALTH_SQL, {"day": day, "tz": timezone}).one()
     return PartitionHealth(jobs=row.jobs, completed=row.completed, failed=row.failed, unfinished=row.unfinished,
                            offers=row.offers, duplicate_offers=row.duplicate_offers)
+
+
+def retention_rules(settings: Any) -> list[Any]:
+    """A user's finished job of a day goes with its offers (they expired the next day, ADR-0004) once the
+    finished-work window has passed; a partition or user with an open dead letter keeps them. The users
+    themselves are the pool, not history: never pruned."""
+    from redrive.retention import FINISHED_WORK, Entity, Rule
+
+    partition = "CAST(t.date AS text) || ':' || t.timezone"
+    return [Rule("matchmaking.jobs", "matchmaking_jobs", ("id",), FINISHED_WORK, "t.completed_at",
+                 "t.status IN ('completed', 'failed') AND t.completed_at IS NOT NULL",
+                 "a user's finished job of a day and its offers",
+                 entity=Entity("matchmaking", partition, separator=":"))]

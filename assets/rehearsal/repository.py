@@ -20,6 +20,8 @@ rehearsal_requests = sa.Table(
     sa.Column("result", JSONB),
     sa.Column("completed_at", TZ),
     sa.Column("created_at", TZ, nullable=False, server_default=NOW),
+    sa.Index("ix_rehearsal_requests_completed_at", "completed_at",
+             postgresql_where=sa.text("completed_at IS NOT NULL")),  # the pruner's range
 )
 
 
@@ -58,3 +60,12 @@ def complete(conn: sa.Connection, request_id: str, result: dict[str, Any]) -> No
         .where(rehearsal_requests.c.request_id == request_id)
         .values(result=result, completed_at=sa.func.now())
     )
+
+
+def retention_rules(settings: Any) -> list[Any]:
+    """Completed rehearsal requests go with the rest of finished work (redrive.retention)."""
+    from redrive.retention import FINISHED_WORK, Entity, Rule
+
+    return [Rule("rehearsal.requests", "rehearsal_requests", ("request_id",), FINISHED_WORK, "t.completed_at",
+                 "t.completed_at IS NOT NULL", "completed requests and their prompts",
+                 entity=Entity("rehearsal", "t.request_id"))]

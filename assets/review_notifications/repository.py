@@ -42,6 +42,8 @@ review_jobs = sa.Table(
     sa.UniqueConstraint("changelist_id", "review_version"),
     sa.CheckConstraint("review_version >= 1", name="review_version"),
     sa.CheckConstraint(f"status IN {policy.JOB_STATUSES!r}", name="status"),
+    # the pruner's range (redrive.retention): finished jobs by age
+    sa.Index("ix_review_jobs_finished", "updated_at", postgresql_where=sa.text("status IN ('succeeded', 'superseded')")),
 )
 
 review_deliveries = sa.Table(
@@ -66,6 +68,10 @@ review_deliveries = sa.Table(
     sa.CheckConstraint(f"status IN {policy.DELIVERY_STATUSES!r}", name="status"),
     sa.CheckConstraint("(status = 'sent') = (notified_at IS NOT NULL)", name="sent_iff_notified"),
     sa.Index("ix_review_deliveries_job_id_status", "job_id", "status"),
+    # the pruner's range: settled deliveries whose recipient is still an address
+    sa.Index("ix_review_deliveries_personal", "updated_at",
+             postgresql_where=sa.text("status IN ('sent', 'failed', 'waived', 'superseded') "
+                                      "AND recipient NOT LIKE 'sha256:%'")),
 )
 
 
@@ -435,3 +441,24 @@ def failed_for_good(conn: sa.Connection, limit: int) -> list[FinalFailure]:
             payload_ref={"table": "review_deliveries", "id": r.id},
         ))
     return out
+
+
+def retention_rules(settings: Any) -> list[Any]:
+    """A settled delivery's recipient (an e-mail address) is replaced by its SHA-256 after the personal-data
+    window: the row stays unique per (changelist, recipient, version) and keeps its provider token, so
+    §10.2's "notified once" still holds for a late duplicate, and no address is kept. Finished jobs (their
+    idempotency key, §6.1) are deleted with their deliveries after the idempotency window."""
+    from redrive.retention import Entity, Rule
+
+    # ':' || 'v', not ':v' (a bind parameter to SQLAlchemy's text())
+    job_ref = "t.changelist_id || ':' || 'v' || CAST(t.review_version AS text)"
+    return [
+        Rule("review_notifications.recipients", "review_deliveries", ("id",), "retention_personal_data_days",
+             "t.updated_at", "t.status IN ('sent', 'failed', 'waived', 'superseded') "
+             "AND t.recipient NOT LIKE 'sha256:%'", "a settled delivery's recipient address (its hash stays)",
+             entity=Entity("review_notifications", f"{job_ref} || ':' || 'd' || CAST(t.id AS text)"),
+             scrub={"recipient": "'sha256:' || encode(sha256(convert_to(t.recipient, 'UTF8')), 'hex')"}),
+        Rule("review_notifications.jobs", "review_jobs", ("id",), "retention_idempotency_days", "t.updated_at",
+             "t.status IN ('succeeded', 'superseded')", "finished jobs (their idempotency keys) and deliveries",
+             entity=Entity("review_notifications", job_ref, separator=":")),
+    ]
