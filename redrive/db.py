@@ -61,3 +61,26 @@ def downgrade_base(url: str) -> None:
     from alembic import command
 
     command.downgrade(alembic_config(url), "base")
+
+
+# (name, table, columns, partial predicate or None), for the migrations below
+IndexSpec = tuple[str, str, list[str], str | None]
+
+
+def create_indexes_concurrently(indexes: list[IndexSpec]) -> None:
+    """In a migration: build each index CONCURRENTLY (outside the migration's transaction), so a table that
+    has grown for months keeps taking writes while its index is built; an index already there is kept."""
+    from alembic import op
+
+    with op.get_context().autocommit_block():
+        for name, table, columns, where in indexes:
+            op.create_index(name, table, columns, unique=False, postgresql_concurrently=True, if_not_exists=True,
+                            postgresql_where=sa.text(where) if where else None)
+
+
+def drop_indexes_concurrently(indexes: list[IndexSpec]) -> None:
+    from alembic import op
+
+    with op.get_context().autocommit_block():
+        for name, table, _, _ in reversed(indexes):
+            op.drop_index(name, table_name=table, postgresql_concurrently=True, if_exists=True)

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
-from alembic import op
+from redrive.db import IndexSpec, create_indexes_concurrently, drop_indexes_concurrently
 
 revision: str = '0021'
 down_revision: str | None = '0020'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# (name, table, columns, partial predicate): built CONCURRENTLY, so a months-old table keeps taking writes
-INDEXES = [
+# (name, table, columns, partial predicate): built CONCURRENTLY (redrive.db), a months-old table keeps taking writes
+INDEXES: list[IndexSpec] = [
     ('ix_work_items_finished', 'work_items', ['updated_at'], "status IN ('done', 'dead')"),
     ('ix_dead_letters_resolved', 'dead_letters', ['resolved_at'], "status = 'resolved'"),
     ('ix_alerts_created_at', 'alerts', ['created_at'], None),
@@ -29,13 +28,8 @@ INDEXES = [
 
 
 def upgrade() -> None:
-    with op.get_context().autocommit_block():
-        for name, table, columns, where in INDEXES:
-            op.create_index(name, table, columns, unique=False, postgresql_concurrently=True, if_not_exists=True,
-                            postgresql_where=sa.text(where) if where else None)
+    create_indexes_concurrently(INDEXES)
 
 
 def downgrade() -> None:
-    with op.get_context().autocommit_block():
-        for name, table, _, _ in reversed(INDEXES):
-            op.drop_index(name, table_name=table, postgresql_concurrently=True, if_exists=True)
+    drop_indexes_concurrently(INDEXES)

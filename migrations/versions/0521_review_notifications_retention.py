@@ -9,29 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
-from alembic import op
+from redrive.db import IndexSpec, create_indexes_concurrently, drop_indexes_concurrently
 
 revision: str = '0521'
 down_revision: str | None = '0502'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# (name, table, columns, partial predicate): built CONCURRENTLY, so a months-old table keeps taking writes
-INDEXES = [
+# (name, table, columns, partial predicate): built CONCURRENTLY (redrive.db), a months-old table keeps taking writes
+INDEXES: list[IndexSpec] = [
     ('ix_review_jobs_finished', 'review_jobs', ['updated_at'], "status IN ('succeeded', 'superseded')"),
     ('ix_review_deliveries_personal', 'review_deliveries', ['updated_at'], "status IN ('sent', 'failed', 'waived', 'superseded') AND recipient NOT LIKE 'sha256:%'"),
 ]
 
 
 def upgrade() -> None:
-    with op.get_context().autocommit_block():
-        for name, table, columns, where in INDEXES:
-            op.create_index(name, table, columns, unique=False, postgresql_concurrently=True, if_not_exists=True,
-                            postgresql_where=sa.text(where) if where else None)
+    create_indexes_concurrently(INDEXES)
 
 
 def downgrade() -> None:
-    with op.get_context().autocommit_block():
-        for name, table, _, _ in reversed(INDEXES):
-            op.drop_index(name, table_name=table, postgresql_concurrently=True, if_exists=True)
+    drop_indexes_concurrently(INDEXES)

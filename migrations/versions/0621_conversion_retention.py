@@ -12,13 +12,16 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from redrive.db import IndexSpec, create_indexes_concurrently, drop_indexes_concurrently
+
+
 revision: str = '0621'
 down_revision: str | None = '0620'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# (name, table, columns, partial predicate): built CONCURRENTLY, so a months-old table keeps taking writes
-INDEXES = [
+# (name, table, columns, partial predicate): built CONCURRENTLY (redrive.db), a months-old table keeps taking writes
+INDEXES: list[IndexSpec] = [
     ('ix_conversion_jobs_finished_files', 'conversion_jobs', ['updated_at'], "status IN ('succeeded', 'failed') AND files_deleted_at IS NULL"),
     ('ix_conversion_jobs_finished', 'conversion_jobs', ['updated_at'], "status IN ('succeeded', 'failed') AND files_deleted_at IS NOT NULL"),
     ('ix_conversion_api_tokens_revoked_at', 'conversion_api_tokens', ['revoked_at'], 'revoked_at IS NOT NULL'),
@@ -27,14 +30,9 @@ INDEXES = [
 
 def upgrade() -> None:
     op.add_column('conversion_jobs', sa.Column('files_deleted_at', sa.DateTime(timezone=True), nullable=True))
-    with op.get_context().autocommit_block():
-        for name, table, columns, where in INDEXES:
-            op.create_index(name, table, columns, unique=False, postgresql_concurrently=True, if_not_exists=True,
-                            postgresql_where=sa.text(where) if where else None)
+    create_indexes_concurrently(INDEXES)
 
 
 def downgrade() -> None:
-    with op.get_context().autocommit_block():
-        for name, table, _, _ in reversed(INDEXES):
-            op.drop_index(name, table_name=table, postgresql_concurrently=True, if_exists=True)
+    drop_indexes_concurrently(INDEXES)
     op.drop_column('conversion_jobs', 'files_deleted_at')
