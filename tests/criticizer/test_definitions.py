@@ -23,9 +23,9 @@ def test_job_sensors_and_resource_are_in_the_code_location(cdefs, crit_settings)
 
 
 def test_migration_branch_is_at_its_head(engine) -> None:
-    """Revision 0401 (branch `criticizer`, off 0002) is applied and created both tables."""
+    """The criticizer branch (0401 off 0002, then 0421: the pruner's indexes) is at its head with both tables."""
     with engine.connect() as conn:
         heads = set(conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars())
         tables = set(sa.inspect(conn).get_table_names())
-    assert "0401" in heads
+    assert "0421" in heads
     assert {"criticizer_requests", "criticizer_deliveries"} <= tables

@@ -3,6 +3,7 @@ mid-batch loses nothing that should stay; counters do not go back; personal fiel
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -309,3 +310,27 @@ def test_every_rule_reads_through_an_index(engine) -> None:
                 scan = scan.replace("Bitmap Index Scan on ", "using ")
             # a partial or age index of the pruner's (migrations 0021 and the pipelines' x21), not the primary key
             assert " using ix_" in scan or " using idx_" in scan, (rule.name, plan)
+
+
+def test_the_command_plans_then_runs(engine, db_url, folders) -> None:
+    """`redrive retention plan` lists what would go and changes nothing; `run` removes it; a second plan is empty."""
+    seed(engine, folders)
+    redrive = str(Path(sys.executable).parent / "redrive")
+    env = {**os.environ, "DATABASE_URL": db_url}
+
+    def call(*args: str) -> str:
+        done = subprocess.run([redrive, "retention", *args], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    # the command's clock is the real one: everything seeded 200 days before NOW is long expired by now too
+    before = state(engine, folders)
+    planned = {p["rule"]: p for p in json.loads(call("plan", "--json"))}
+    assert planned["core.dead_letters"]["rows"] >= 1 and planned["core.dead_letters"]["setting"] == \
+        "RETENTION_RESOLVED_DEAD_LETTER_DAYS"
+    assert state(engine, folders) == before
+    out = call("run", "--pause", "0")
+    assert "core.work_items:" in out and "rows in" in out
+    assert "0 rows would go" in call("plan")
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM dead_letters WHERE status <> 'resolved'")).scalar_one() == 2
