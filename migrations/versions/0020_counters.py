@@ -23,30 +23,45 @@ BOUNDS = "{0.005,0.01,0.025,0.05,0.1,0.25,0.5,1.0,2.5,5.0,10.0,30.0,60.0,120.0}"
 SHARDS = 16
 
 # Adds `p_count` outcomes to the writer's shard row: the non-negative durations of `p_seconds` are
-# bucketed (bucket i = number of bounds below the duration, the last one +Inf) and summed.
+# bucketed (bucket i = number of bounds below the duration, the last one +Inf) and summed. PL/pgSQL, not
+# SQL: a SQL function's statement is planned again at every call (before PostgreSQL 18), a PL/pgSQL
+# function's once per session, and this runs in the conversion worker's every turn.
 OBSERVE = f"""
 CREATE OR REPLACE FUNCTION redrive_observe(p_pipeline text, p_stage text, p_outcome text, p_error_class text,
                                            p_count bigint, p_seconds float8[]) RETURNS void
-LANGUAGE sql AS $$
-WITH timed AS (
-    SELECT x FROM unnest(COALESCE(p_seconds, CAST('{{}}' AS float8[]))) AS u(x) WHERE x >= 0
-), indexed AS (
-    SELECT (SELECT count(*) FROM unnest(CAST('{BOUNDS}' AS float8[])) AS b(v) WHERE b.v < timed.x) AS i, x
-    FROM timed
-)
-INSERT INTO stage_observations (pipeline, stage, outcome, error_class, shard, count, buckets, sum_seconds)
-SELECT p_pipeline, p_stage, p_outcome, COALESCE(p_error_class, ''), CAST(pg_backend_pid() % {SHARDS} AS smallint),
-       p_count,
-       ARRAY(SELECT count(indexed.x) FROM generate_series(0, cardinality(CAST('{BOUNDS}' AS float8[]))) AS g(i)
-             LEFT JOIN indexed ON indexed.i = g.i GROUP BY g.i ORDER BY g.i),
-       COALESCE((SELECT sum(x) FROM timed), 0)
-WHERE p_count > 0
-ON CONFLICT (pipeline, stage, outcome, error_class, shard) DO UPDATE SET
-    count = stage_observations.count + excluded.count,
-    buckets = ARRAY(SELECT o.n + a.n FROM unnest(stage_observations.buckets) WITH ORDINALITY AS o(n, i)
-                    JOIN unnest(excluded.buckets) WITH ORDINALITY AS a(n, i) USING (i) ORDER BY i),
-    sum_seconds = stage_observations.sum_seconds + excluded.sum_seconds,
-    updated_at = now()
+LANGUAGE plpgsql AS $$
+DECLARE
+    bounds CONSTANT float8[] := CAST('{BOUNDS}' AS float8[]);
+    v_buckets bigint[] := array_fill(CAST(0 AS bigint), ARRAY[cardinality(CAST('{BOUNDS}' AS float8[])) + 1]);
+    v_total float8 := 0;
+    v_x float8;
+    v_k int;
+BEGIN
+    IF p_count IS NULL OR p_count <= 0 THEN
+        RETURN;
+    END IF;
+    IF p_seconds IS NOT NULL THEN
+        FOREACH v_x IN ARRAY p_seconds LOOP
+            IF v_x >= 0 THEN
+                v_k := 1;
+                WHILE v_k <= cardinality(bounds) AND bounds[v_k] < v_x LOOP
+                    v_k := v_k + 1;
+                END LOOP;
+                v_buckets[v_k] := v_buckets[v_k] + 1;
+                v_total := v_total + v_x;
+            END IF;
+        END LOOP;
+    END IF;
+    INSERT INTO stage_observations (pipeline, stage, outcome, error_class, shard, count, buckets, sum_seconds)
+    VALUES (p_pipeline, p_stage, p_outcome, COALESCE(p_error_class, ''), CAST(pg_backend_pid() % {SHARDS} AS smallint),
+            p_count, v_buckets, v_total)
+    ON CONFLICT (pipeline, stage, outcome, error_class, shard) DO UPDATE SET
+        count = stage_observations.count + excluded.count,
+        buckets = ARRAY(SELECT o.n + a.n FROM unnest(stage_observations.buckets) WITH ORDINALITY AS o(n, ord)
+                        JOIN unnest(excluded.buckets) WITH ORDINALITY AS a(n, ord) USING (ord) ORDER BY ord),
+        sum_seconds = stage_observations.sum_seconds + excluded.sum_seconds,
+        updated_at = now();
+END
 $$
 """
 
