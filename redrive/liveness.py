@@ -47,11 +47,11 @@ def is_silent(*, last_beat: datetime | None, started: datetime, database_up_sinc
               now: datetime, dead_after: float) -> bool:
     """Pure: the run has had `dead_after` seconds in which it could have beaten, and did not.
 
-    Silence counts from the latest of its last beat, its start, and the database's start (a beat
+    Silence counts from its last beat (its start, before the first), or from the database's start if later (a beat
     cannot land while the database is down; the window starts again when it is back). A database
     start time in the future (a test's clock runs behind the server's) is ignored.
     """
-    since = max(t for t in (last_beat, started) if t is not None)
+    since = last_beat if last_beat is not None else started  # a beat proves it started; before one, its start
     if database_up_since is not None and database_up_since <= now:
         since = max(since, database_up_since)
     return (now - since).total_seconds() > dead_after
@@ -132,7 +132,7 @@ def silent_runs(conn: sa.Connection, started: Mapping[str, datetime], *, now: da
         last, dead_at = beats.get(run_id, (None, None))
         if dead_at is not None or is_silent(last_beat=last, started=start, database_up_since=up_since, now=now,
                                             dead_after=dead_after):
-            since = max(t for t in (last, start) if t is not None)
+            since = last if last is not None else start
             out.append(Silent(run_id, last, (now - since).total_seconds()))
     return out
 

@@ -50,6 +50,7 @@ def statuses(engine: sa.Engine) -> dict[str, str]:
 @pytest.mark.parametrize(("last", "started", "db_up", "advance", "silent"), [
     (0, 0, None, 91, True),  # silent past the window
     (60, 0, None, 91, False),  # beat a minute in: counts from the beat
+    (0, 50, None, 91, True),  # a beat proves the start: silence counts from it
     (None, 0, None, 89, False),  # never beat, inside the window from its start
     (None, 0, None, 91, True),  # never beat at all (killed before its first beat)
     (0, 0, 30, 91, False),  # the database restarted 30 s in: the window starts again then
