@@ -42,6 +42,28 @@ def drain(engine: sa.Engine, clock: FrozenClock, run_id: str, **kw) -> Drain:
                  owner=liveness.holder_of(run_id), run_id=run_id, sleep=clock.sleep, **kw)
 
 
+class BlockedRun:
+    """Run A's drain in a thread, its handler stuck inside its work (one long call, a cut-off worker) until
+    `finish`; it has recorded its own completion write by then."""
+
+    def __init__(self, d: Drain) -> None:
+        self.inside, self.release, self.result = threading.Event(), threading.Event(), {}
+
+        def slow(attempt: Attempt) -> None:
+            record_effect(attempt, "A")
+            self.inside.set()
+            assert self.release.wait(10)
+
+        self.thread = threading.Thread(target=lambda: self.result.update(report=d.run(slow)))
+        self.thread.start()
+        assert self.inside.wait(10)
+
+    def finish(self):
+        self.release.set()
+        self.thread.join(10)
+        return self.result["report"]
+
+
 def statuses(engine: sa.Engine) -> dict[str, str]:
     with engine.connect() as conn:
         return dict(conn.execute(sa.select(work_items.c.entity_ref, work_items.c.status)).all())
@@ -110,25 +132,13 @@ def test_a_run_declared_dead_mid_work_writes_nothing_and_the_next_run_settles_ea
     with engine.begin() as conn:
         for i in range(4):
             work.enqueue(conn, "demo", f"e-{i}", now=clock.now())
-    inside, release = threading.Event(), threading.Event()
-
-    def slow(attempt: Attempt) -> None:
-        record_effect(attempt, "A")
-        inside.set()
-        assert release.wait(10)
-
-    a = drain(engine, clock, "A", max_items=2)
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(report=a.run(slow)))
-    thread.start()
-    assert inside.wait(10)
+    a = BlockedRun(drain(engine, clock, "A", max_items=2))
     with engine.begin() as conn:
         assert liveness.declare_dead(conn, "A", reason="test", now=clock.now(),
                                      release=lambda c, h, at: work.release_owner(c, h, now=at)) == 2
     report_b = drain(engine, clock, "B").run(lambda attempt: record_effect(attempt, "B"))
-    release.set()
-    thread.join(10)
-    assert result["report"].lease_lost == 2 and result["report"].done == 0
+    report_a = a.finish()
+    assert report_a.lease_lost == 2 and report_a.done == 0
     assert report_b.done == 4
     assert effects(engine) == [(f"e-{i}", "B") for i in range(4)]
     assert set(statuses(engine).values()) == {"done"}
@@ -141,24 +151,12 @@ def test_a_completion_refused_after_a_takeover_rolls_back_the_pipelines_own_writ
     effects_table(engine)
     with engine.begin() as conn:
         work.enqueue(conn, "demo", "e-0", now=clock.now())
-    inside, release = threading.Event(), threading.Event()
-
-    def slow(attempt: Attempt) -> None:
-        record_effect(attempt, "A")
-        inside.set()
-        assert release.wait(10)
-
-    a = drain(engine, clock, "A", lease_seconds=60)
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(report=a.run(slow)))
-    thread.start()
-    assert inside.wait(10)
+    a = BlockedRun(drain(engine, clock, "A", lease_seconds=60))
     clock.advance(61)  # A's lease lapses (its extensions did not land)
     report_b = drain(engine, clock, "B").run(lambda attempt: record_effect(attempt, "B"))
-    release.set()
-    thread.join(10)
+    report_a = a.finish()
     assert report_b.done == 1
-    assert result["report"].lease_lost == 1 and result["report"].done == 0
+    assert report_a.lease_lost == 1 and report_a.done == 0
     assert effects(engine) == [("e-0", "B")]
 
 
