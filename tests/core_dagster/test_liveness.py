@@ -27,12 +27,13 @@ def started_run(defs, instance, job_name: str = "criticizer_job") -> dg.DagsterR
 
 
 def test_a_silent_drain_run_is_failed_its_leases_come_back_and_the_next_round_is_requested(
-        defs, instance, engine, sandbox) -> None:
+        defs, instance, engine, sandbox, monkeypatch) -> None:
     """The worker of a drain run died where it could not report (PostgreSQL away, its backend cut): no beat for
     longer than the window → the watchdog fences it, gives its leased rows back due now, fails the run through
     Dagster (a RUN_FAILURE the run-failure sensor and run retries see), and the due-work sensor starts the next
     round. A second tick changes nothing."""
-    clock = FrozenClock(datetime.now(UTC) - timedelta(seconds=120))  # the sensors below read the real clock
+    clock = FrozenClock(datetime.now(UTC))
+    monkeypatch.setattr("resources.reliability.SystemClock", lambda: clock)  # the sensors read this clock too
     run = started_run(defs, instance)
     with engine.begin() as conn:
         for i in range(3):
