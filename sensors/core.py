@@ -417,8 +417,10 @@ WATCHDOG_REASON = "the run watchdog: no heartbeat from its worker"
 
 
 def _started_at(record) -> "datetime":
-    ts = record.start_time or record.create_timestamp.timestamp()
-    return datetime.fromtimestamp(ts, tz=UTC)
+    if record.start_time:
+        return datetime.fromtimestamp(record.start_time, tz=UTC)
+    created = record.create_timestamp  # the run storage's naive UTC
+    return created if created.tzinfo else created.replace(tzinfo=UTC)
 
 
 def fail_silent_runs(runtime, instance: dg.DagsterInstance, *, dead_after: float,

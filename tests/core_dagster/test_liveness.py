@@ -167,3 +167,14 @@ def test_every_run_that_uses_the_core_beats_while_it_runs_and_stops_when_it_ends
         beats = liveness.last_beats(conn, [result.run_id])
     assert list(beats) == [result.run_id] and beats[result.run_id][1] is None  # it beat, and is not dead
     assert result.run_id not in liveness._running  # stopped with the run
+
+
+def test_every_job_of_the_code_location_beats(defs) -> None:
+    """Every job's ops use a resource that starts the run's heartbeat (`reliability` or `database`): a job that did
+    not would be failed by the watchdog a window after it started, however alive."""
+    silent = []
+    for job in defs.get_repository_def().get_all_jobs():
+        keys = set().union(*(set(node.required_resource_keys) for node in job.graph.node_defs))
+        if not keys & {"reliability", "database"}:
+            silent.append(job.name)
+    assert silent == []
