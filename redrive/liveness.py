@@ -150,6 +150,7 @@ class Heartbeat:
         self.engine, self.run_id, self.interval, self.now = engine, run_id, interval, now
         self.holder = holder_of(run_id)
         self.fenced = threading.Event()
+        self.on_fenced: list[Callable[[], None]] = []  # e.g. a worker's "stop claiming, finish or give back"
         self._stop = threading.Event()
         self._users = 0
         self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{run_id[:8]}", daemon=True)
@@ -161,9 +162,14 @@ class Heartbeat:
         except Exception:  # noqa: BLE001 - a missed beat is what the watchdog's window allows for
             log.warning("run %s: heartbeat failed; retrying in %.0f s", self.run_id, self.interval)
             return True
-        if not alive:
+        if not alive and not self.fenced.is_set():
             log.error("run %s was declared dead by the watchdog: it writes nothing more", self.run_id)
-            self.fenced.set()
+            for callback in self.on_fenced:
+                try:
+                    callback()
+                except Exception:  # noqa: BLE001 - the fence holds whatever a callback does
+                    log.warning("run %s: a fenced callback failed", self.run_id)
+            self.fenced.set()  # after the callbacks: whoever sees it set knows they ran
         return alive
 
     def _loop(self) -> None:
@@ -208,6 +214,18 @@ def fenced(run_id: str | None) -> bool:
     with _lock:
         hb = _running.get(run_id)
     return hb is not None and hb.fenced.is_set()
+
+
+def when_fenced(run_id: str | None, callback: Callable[[], None]) -> bool:
+    """Call `callback` once if this process learns that the run was declared dead (a worker loop that is not the
+    drain stops claiming; its writes are fenced by its own leases). False: no heartbeat runs here for it."""
+    if run_id is None:
+        return False
+    with _lock:
+        hb = _running.get(run_id)
+        if hb is not None:
+            hb.on_fenced.append(callback)
+    return hb is not None
 
 
 def stale_before(now: datetime, days: float = 1.0) -> datetime:

@@ -184,6 +184,9 @@ def test_the_heartbeat_thread_beats_until_stopped_and_learns_it_was_fenced(engin
     """The run worker's heartbeat is a thread of its own; once the run is declared dead it sets `fenced`."""
     clock = FrozenClock(START)
     hb = liveness.start_for_run(engine, "T", interval=0.01, now=clock.now)
+    told: list[str] = []
+    assert liveness.when_fenced("T", lambda: told.append("stop claiming"))
+    assert not liveness.when_fenced("not-here", lambda: None)
     try:
         deadline = threading.Event()
         for _ in range(500):
@@ -194,7 +197,7 @@ def test_the_heartbeat_thread_beats_until_stopped_and_learns_it_was_fenced(engin
         with engine.begin() as conn:
             liveness.declare_dead(conn, "T", reason="test", now=clock.now(), release=lambda c, h, at: 0)
         assert hb.fenced.wait(5)
-        assert liveness.fenced("T")
+        assert liveness.fenced("T") and told == ["stop claiming"]
     finally:
         liveness.stop_for_run("T")
     assert not liveness.fenced("T")
