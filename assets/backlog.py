@@ -1,13 +1,15 @@
-"""Each pipeline's backlog as an asset the UI shows, with two checks that need nothing but PostgreSQL.
+"""Each pipeline's backlog as an asset the UI shows, with three checks that need nothing but PostgreSQL.
 
 `<pipeline>_backlog` is the pipeline's open work — due queue rows and retry timers (and its own queue,
 for conversion) and its unresolved dead letters. It is never materialized: the checks are the point.
 - `no_stale_dead_letters`: no unresolved dead letter older than DEAD_LETTER_MAX_AGE_HOURS (someone must
   replay or resolve it; WARN);
 - `due_work_flowing`: nothing due has waited longer than DUE_WORK_MAX_WAIT_SECONDS (the sensor, the
-  daemon or the workers are not picking work up; ERROR).
-Each check runs on demand from the asset page, and the `redrive_pipeline_backlog` sensor reports both
-every few minutes without starting a run (sensors/core.py).
+  daemon or the workers are not picking work up; ERROR);
+- `pipeline_progressing`: the stall watch does not hold the pipeline stalled (due work and no progress
+  for PIPELINE_STALL_SECONDS, `redrive.stalls`; ERROR).
+Each check runs on demand from the asset page, and the `redrive_pipeline_backlog` sensor reports them
+every few minutes without starting a run (sensors/core.py); the stall watch reports the third when it changes.
 """
 
 # No `from __future__ import annotations`: Dagster reads resource types from live annotations.
@@ -20,12 +22,15 @@ from typing import Any
 import dagster as dg
 
 from assets import OWNERS
+from redrive import stalls
 from redrive.metrics import PipelineSource, due_work, open_dead_letters
 from redrive.reliability import Reliability
 from redrive.stages import OP_RETRY_POLICY, sanitized_body
+from redrive.stalls import StallState
 from resources.reliability import ReliabilityResource
 
-STALE_LETTERS, DUE_FLOWING = "no_stale_dead_letters", "due_work_flowing"
+STALE_LETTERS, DUE_FLOWING, PROGRESSING = "no_stale_dead_letters", "due_work_flowing", "pipeline_progressing"
+DEFAULT_STALL_SECONDS = 180.0
 
 
 @dataclass(frozen=True)
@@ -56,17 +61,33 @@ def due_flowing_verdict(due: int, oldest_wait_seconds: float, max_wait_seconds: 
                    {"due": due, "oldest_wait_seconds": round(oldest_wait_seconds, 1)})
 
 
+def progressing_verdict(state: StallState | None, now: datetime, stall_seconds: float) -> Verdict:
+    """Pure: fails while the stall watch holds the pipeline stalled (due work, no progress for the limit)."""
+    waited = state.seconds_without_progress(now) if state is not None else 0.0
+    due = state.due if state is not None else 0
+    if state is not None and state.stalled_since is not None:
+        text = (f"stalled: {due} item(s) due and no progress for {waited:.0f} s (limit {stall_seconds:g} s); "
+                "see docs/operating.md, Stuck runs and stalled pipelines")
+        return Verdict(PROGRESSING, False, dg.AssetCheckSeverity.ERROR, text,
+                       {"due": due, "seconds_without_progress": round(waited, 1)})
+    text = f"moving: {due} item(s) due, last progress {waited:.0f} s ago" if due else "nothing due"
+    return Verdict(PROGRESSING, True, dg.AssetCheckSeverity.ERROR, text,
+                   {"due": due, "seconds_without_progress": round(waited, 1)})
+
+
 def backlog_key(pipeline: str) -> dg.AssetKey:
     return dg.AssetKey(f"{pipeline}_backlog")
 
 
 def verdicts(runtime: Reliability, pipelines: Sequence[str], sources: Mapping[str, PipelineSource],
-             max_age_hours: float, max_wait_seconds: float) -> dict[str, list[Verdict]]:
-    """Both verdicts of every pipeline, from one read of PostgreSQL."""
+             max_age_hours: float, max_wait_seconds: float,
+             stall_seconds: float = DEFAULT_STALL_SECONDS) -> dict[str, list[Verdict]]:
+    """The three verdicts of every pipeline, from one read of PostgreSQL."""
     now: datetime = runtime.now()
     with runtime.engine.connect() as conn:
         letters = open_dead_letters(conn)
         due = due_work(conn, now, pipelines, sources)
+        states = stalls.load(conn)
     out = {}
     for pipeline in pipelines:
         mine = [(n, first) for p, _, n, first in letters if p == pipeline]
@@ -74,7 +95,8 @@ def verdicts(runtime: Reliability, pipelines: Sequence[str], sources: Mapping[st
         n_due, oldest_due = due.get(pipeline, [0, None])
         wait = (now - oldest_due).total_seconds() if oldest_due is not None else 0.0
         out[pipeline] = [stale_letters_verdict(sum(n for n, _ in mine), oldest_letter, max_age_hours),
-                         due_flowing_verdict(n_due, wait, max_wait_seconds)]
+                         due_flowing_verdict(n_due, wait, max_wait_seconds),
+                         progressing_verdict(states.get(pipeline), now, stall_seconds)]
     return out
 
 
@@ -82,7 +104,7 @@ CHECKS_JOB = "pipeline_backlog_checks"
 
 
 def backlog_defs(pipelines: Sequence[str], sources: Mapping[str, PipelineSource], max_age_hours: float,
-                 max_wait_seconds: float) -> tuple[list[dg.AssetSpec], list[dg.AssetChecksDefinition],
+                 max_wait_seconds: float, stall_seconds: float = DEFAULT_STALL_SECONDS) -> tuple[list[dg.AssetSpec], list[dg.AssetChecksDefinition],
                                                    Any]:
     """One backlog asset per pipeline, in the pipeline's group, its two checks, and a job running all of them."""
     specs, checks = [], []
@@ -92,7 +114,7 @@ def backlog_defs(pipelines: Sequence[str], sources: Mapping[str, PipelineSource]
             key, group_name=pipeline, owners=OWNERS, kinds={"postgres"}, tags={"redrive/pipeline": pipeline},
             description=f"{pipeline}'s open work: due queue rows and retry timers, and its unresolved dead letters. "
                         "Not materialized; its checks say whether work flows and letters are handled."))
-        checks.append(_checks(pipeline, key, sources, max_age_hours, max_wait_seconds))
+        checks.append(_checks(pipeline, key, sources, max_age_hours, max_wait_seconds, stall_seconds))
     job = dg.define_asset_job(CHECKS_JOB, selection=dg.AssetSelection.checks(*checks),
                               description="Runs every pipeline's backlog checks now (the sensor reports them every "
                                           "5 minutes without a run).")
@@ -100,7 +122,7 @@ def backlog_defs(pipelines: Sequence[str], sources: Mapping[str, PipelineSource]
 
 
 def _checks(pipeline: str, key: dg.AssetKey, sources: Mapping[str, PipelineSource], max_age_hours: float,
-            max_wait_seconds: float) -> dg.AssetChecksDefinition:
+            max_wait_seconds: float, stall_seconds: float) -> dg.AssetChecksDefinition:
     @dg.multi_asset_check(
         name=f"{pipeline}_backlog_checks",
         specs=[dg.AssetCheckSpec(STALE_LETTERS, asset=key, description=(
@@ -108,13 +130,17 @@ def _checks(pipeline: str, key: dg.AssetKey, sources: Mapping[str, PipelineSourc
                    f"({max_age_hours:g} h).")),
                dg.AssetCheckSpec(DUE_FLOWING, asset=key, description=(
                    f"No due {pipeline} work has waited longer than DUE_WORK_MAX_WAIT_SECONDS "
-                   f"({max_wait_seconds:g} s)."))],
+                   f"({max_wait_seconds:g} s).")),
+               dg.AssetCheckSpec(PROGRESSING, asset=key, description=(
+                   f"{pipeline} is not stalled: it has no due work, or its work moved within PIPELINE_STALL_SECONDS "
+                   "(the stall watch's verdict)."))],
         can_subset=True,
         retry_policy=OP_RETRY_POLICY,
     )
     @sanitized_body
     def _check(context: dg.AssetCheckExecutionContext, reliability: ReliabilityResource):
-        found = verdicts(reliability.runtime(), [pipeline], sources, max_age_hours, max_wait_seconds)[pipeline]
+        found = verdicts(reliability.runtime(), [pipeline], sources, max_age_hours, max_wait_seconds,
+                         stall_seconds)[pipeline]
         for v in found:
             if dg.AssetCheckKey(key, v.check) in context.selected_asset_check_keys:
                 yield dg.AssetCheckResult(asset_key=key, check_name=v.check, passed=v.passed, severity=v.severity,

@@ -68,6 +68,28 @@ def alert_mismatches(letters: Collection[str], alerted: Iterable[str]) -> list[t
     return [(letter, counts.get(letter, 0)) for letter in sorted(set(letters)) if counts.get(letter, 0) != 1]
 
 
+STALL_LIMIT_SECONDS = 300.0  # issue 25: no pipeline may go longer than this with open work and no progress
+
+
+@dataclass
+class StallMeter:
+    """The longest time a pipeline had work outstanding and its (entities, open) did not change, from the
+    harness's own polls: fed one sample per poll; a poll that failed (PostgreSQL away) simply is no sample, so
+    the gap counts."""
+
+    longest: float = 0.0
+    since: float | None = None
+    last: tuple[int, int] | None = None
+
+    def observe(self, t: float, total: int, open_: int, expected: int) -> float:
+        outstanding = open_ > 0 or total < expected
+        if not outstanding or (total, open_) != self.last or self.since is None:
+            self.since = t
+        self.last = (total, open_)
+        self.longest = max(self.longest, t - self.since)
+        return t - self.since
+
+
 @dataclass
 class Verdict:
     pipeline: str
@@ -81,17 +103,25 @@ class Verdict:
     alerts_not_one: int
     redacted: int = 0  # sink texts carrying a redaction marker: the canaries were there, and redacted
     examples: dict[str, list[Any]] = field(default_factory=dict)
+    longest_stall_seconds: float = 0.0  # open work and no progress, the longest spell the harness saw
+    stall_limit_seconds: float = STALL_LIMIT_SECONDS
+
+    @property
+    def stalled(self) -> bool:
+        return self.longest_stall_seconds > self.stall_limit_seconds
 
     @property
     def failed(self) -> bool:
-        return bool(self.lost or self.duplicate_effects or self.canaries or self.unreplayable or self.alerts_not_one)
+        return bool(self.lost or self.duplicate_effects or self.canaries or self.unreplayable or self.alerts_not_one
+                    or self.stalled)
 
     def as_json(self) -> dict[str, Any]:
         return {**asdict(self), "failed": self.failed}
 
 
 def verdict(pipeline: str, settled: Settled, *, duplicate_effects: int, canaries: list[tuple[str, str]],
-            unreplayable: Collection[Any], alerts: list[tuple[str, int]], redacted: int = 0) -> Verdict:
+            unreplayable: Collection[Any], alerts: list[tuple[str, int]], redacted: int = 0,
+            longest_stall: float = 0.0, stall_limit: float = STALL_LIMIT_SECONDS) -> Verdict:
     examples: dict[str, list[Any]] = {}
     if settled.lost_refs:
         examples["lost"] = list(settled.lost_refs[:5])
@@ -101,8 +131,11 @@ def verdict(pipeline: str, settled: Settled, *, duplicate_effects: int, canaries
         examples["unreplayable"] = list(unreplayable)[:5]
     if alerts:
         examples["alerts"] = alerts[:5]
+    if longest_stall > stall_limit:
+        examples["stall"] = [f"{longest_stall:.0f} s with open work and no progress (limit {stall_limit:g} s)"]
     return Verdict(pipeline, settled.items_in, settled.done, settled.dead_lettered, settled.lost, duplicate_effects,
-                   len(canaries), len(unreplayable), len(alerts), redacted, examples)
+                   len(canaries), len(unreplayable), len(alerts), redacted, examples, round(longest_stall, 1),
+                   stall_limit)
 
 
 def failed(verdicts: Iterable[Verdict], unattributed_canaries: int = 0) -> bool:
@@ -112,12 +145,12 @@ def failed(verdicts: Iterable[Verdict], unattributed_canaries: int = 0) -> bool:
 def table(verdicts: Iterable[Verdict]) -> list[str]:
     """The verdict as a Markdown table."""
     head = ["pipeline", "in", "done", "dead-lettered", "lost", "duplicate effects", "canaries", "unreplayable",
-            "alerts ≠ 1", "redacted sinks", "verdict"]
+            "alerts ≠ 1", "redacted sinks", "longest stall (s)", "verdict"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for v in verdicts:
         lines.append(f"| {v.pipeline} | {v.items_in} | {v.done} | {v.dead_lettered} | {v.lost} | "
                      f"{v.duplicate_effects} | {v.canaries} | {v.unreplayable} | {v.alerts_not_one} | {v.redacted} | "
-                     f"{'FAIL' if v.failed else 'pass'} |")
+                     f"{v.longest_stall_seconds:.0f} | {'FAIL' if v.failed else 'pass'} |")
     return lines
 
 

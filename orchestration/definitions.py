@@ -20,8 +20,10 @@ from sensors.core import (
     dead_letter_replay_sensor,
     deferred_retry_sensor,
     pipeline_backlog_sensor,
+    pipeline_stall_sensor,
     declined_retry_sensor,
     run_failure_alert_sensor,
+    run_watchdog_sensor,
 )
 
 
@@ -37,7 +39,7 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
         resources.update(p.resources)
     names, sources = [p.name for p in pipelines], pipeline_sources()
     backlogs, backlog_checks, backlog_job = backlog_defs(names, sources, settings.dead_letter_max_age_hours,
-                                            settings.due_work_max_wait_seconds)
+                                            settings.due_work_max_wait_seconds, settings.pipeline_stall_seconds)
     assets = [stack_healthcheck, *backlogs, *[a for p in pipelines for a in p.assets]]
     retention_job, retention_schedule = retention_defs(settings)
     return dg.Definitions(
@@ -53,7 +55,9 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
             dead_letter_reconciliation_sensor(failed_for_good),
             *[deferred_retry_sensor(name, target) for name, target in replay_targets.items()],
             pipeline_backlog_sensor(names, sources, settings.dead_letter_max_age_hours,
-                                    settings.due_work_max_wait_seconds),
+                                    settings.due_work_max_wait_seconds, stall_seconds=settings.pipeline_stall_seconds),
+            run_watchdog_sensor(settings.run_dead_after_seconds),
+            pipeline_stall_sensor(names, sources, settings.pipeline_stall_seconds),
             *[s for p in pipelines for s in p.sensors],
         ],
         resources=resources,

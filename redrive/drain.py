@@ -27,7 +27,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from redrive import checkpoints, deadletters, logs, observations, work
+from redrive import checkpoints, deadletters, liveness, logs, observations, work
 from redrive.failures import Failure
 from redrive.reliability import Reliability
 from redrive.sanitize import sanitize_exception, sanitize_text
@@ -197,7 +197,8 @@ class Drain:
         try:
             with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix=f"drain-{self.pipeline}") as pool:
                 while True:
-                    out_of_time = time.monotonic() - started > self.max_seconds
+                    # a run the watchdog declared dead claims nothing more (its claims are refused anyway)
+                    out_of_time = time.monotonic() - started > self.max_seconds or liveness.fenced(self.run_id)
                     full = self.max_items is not None and report.claimed >= self.max_items
                     free = self.concurrency - len(inflight)
                     claimed: list[WorkItem] = []

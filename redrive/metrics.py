@@ -28,7 +28,7 @@ from redrive import counters
 from redrive import observations as obs
 from redrive.breaker import circuit_breakers
 from redrive.clock import Clock
-from redrive.schema import alert_deliveries, alerts, dead_letters, deferred_attempts, work_items
+from redrive.schema import alert_deliveries, alerts, dead_letters, deferred_attempts, pipeline_progress, work_items
 from redrive.work import OPEN_STATUSES
 
 
@@ -46,6 +46,7 @@ SERIES = (
     "redrive_stage_latency_seconds_count", "redrive_dead_letters_open", "redrive_dead_letter_oldest_open_seconds",
     "redrive_alerts_sent_total", "redrive_alerts_pending", "redrive_due_work", "redrive_due_work_oldest_seconds",
     "redrive_circuit_breaker_open", "redrive_circuit_breaker_open_seconds_total",
+    "redrive_pipeline_seconds_without_progress", "redrive_pipeline_stalled",
 )
 
 
@@ -68,7 +69,10 @@ class PipelineCollector(Collector):
                 .where(alert_deliveries.c.status == "pending")
                 .group_by(alerts.c.pipeline, alert_deliveries.c.channel)).all()
             due = due_work(conn, now, self.pipelines, self.sources)
+            progress = conn.execute(sa.select(pipeline_progress.c.pipeline, pipeline_progress.c.progressed_at,
+                                              pipeline_progress.c.due, pipeline_progress.c.stalled_since)).all()
         yield from self._outcomes(rows, counted.get(counters.ITEMS_FAILED, {}))
+        yield from self._stalls(progress, now)
         yield from self._letters(letters, now)
         yield from self._alerts(counted.get(counters.ALERTS_SENT, {}), pending)
         waiting = GaugeMetricFamily("redrive_due_work", "Work due now and not yet done (work-queue rows, durable "
@@ -124,6 +128,21 @@ class PipelineCollector(Collector):
             bounds = [*(str(b) for b in obs.BUCKETS), "+Inf"]
             latency.add_metric([pipeline, stage], list(zip(bounds, cumulative, strict=True)), total)
         yield from (done, failed, retries, attempts, latency)
+
+    def _stalls(self, progress: Sequence[sa.Row], now: datetime) -> Iterator[Metric]:
+        """As the stall watch last saw each pipeline (redrive.stalls): how long due work has not moved."""
+        quiet = GaugeMetricFamily("redrive_pipeline_seconds_without_progress",
+                                  "Seconds since the pipeline last settled anything while work was due (0: nothing "
+                                  "due).", labels=["pipeline"])
+        stalled = GaugeMetricFamily("redrive_pipeline_stalled", "1 while the stall watch holds the pipeline stalled.",
+                                    labels=["pipeline"])
+        seen = {r.pipeline: r for r in progress}
+        for pipeline in sorted(set(self.pipelines) | set(seen)):
+            r = seen.get(pipeline)
+            quiet.add_metric([pipeline], max(0.0, (now - r.progressed_at).total_seconds()) if r and r.due else 0.0)
+            stalled.add_metric([pipeline], 1.0 if r and r.stalled_since is not None else 0.0)
+        yield quiet
+        yield stalled
 
     def _letters(self, letters: Sequence[sa.Row], now: datetime) -> Iterator[Metric]:
         open_ = GaugeMetricFamily("redrive_dead_letters_open", "Dead letters not resolved (open, replaying, "

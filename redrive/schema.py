@@ -182,3 +182,30 @@ work_items = sa.Table(
              postgresql_where=sa.text("status IN ('due', 'leased') AND group_key IS NOT NULL")),
     sa.Index("ix_work_items_finished", "updated_at", postgresql_where=sa.text("status IN ('done', 'dead')")),  # pruner
 )
+
+# Liveness (issue 25): every run worker beats here; the watchdog marks a silent run dead, and every write of a
+# work-queue holder checks in its own transaction that its holder is not dead (a fence like a lease's epoch).
+run_heartbeats = sa.Table(
+    "run_heartbeats",
+    metadata,
+    sa.Column("holder", sa.Text, primary_key=True),  # "run:<dagster run id>", the drain's lease owner
+    sa.Column("run_id", sa.Text, nullable=False),
+    sa.Column("started_at", TZ, nullable=False),
+    sa.Column("beat_at", TZ, nullable=False),
+    sa.Column("dead_at", TZ),
+    sa.Column("dead_reason", sa.Text),
+    sa.Index("ix_run_heartbeats_beat_at", "beat_at"),
+)
+
+# Each pipeline's progress as the stall watch last saw it: a counter of settled attempts, when it last moved,
+# and the stall it is in (alerted once per episode).
+pipeline_progress = sa.Table(
+    "pipeline_progress",
+    metadata,
+    sa.Column("pipeline", sa.Text, primary_key=True),
+    sa.Column("progress", sa.BigInteger, nullable=False),
+    sa.Column("progressed_at", TZ, nullable=False),
+    sa.Column("due", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("stalled_since", TZ),
+    sa.Column("checked_at", TZ, nullable=False),
+)

@@ -62,6 +62,12 @@ class Settings(BaseSettings):
         default=24.0, gt=0, description="An unresolved dead letter older than this fails its pipeline's check.")
     due_work_max_wait_seconds: float = Field(
         default=900.0, gt=0, description="Due work waiting longer than this fails its pipeline's check (stuck).")
+    pipeline_stall_seconds: float = Field(
+        default=180.0, gt=0, description="Due work and no progress for this long: the pipeline is stalled (one alert, "
+                                         "a failing `pipeline_progressing` check) until it moves again.")
+    run_dead_after_seconds: float = Field(
+        default=90.0, gt=0, description="A STARTED run with no heartbeat for this long is failed by the run watchdog "
+                                        "(its worker beats every 10 s).")
 
     # --- retention (redrive.retention; docs/operating.md "Retention"): days after a row finished, 0 = for ever ---
     retention_finished_work_days: float = Field(

@@ -17,6 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB, insert
 
+from redrive.liveness import holder_alive
 from redrive.schema import work_items
 
 DUE, LEASED, DONE, DEAD = "due", "leased", "done", "dead"
@@ -75,8 +76,10 @@ def enqueue_many(conn: sa.Connection, pipeline: str, entities: Sequence[tuple[st
 
 def claim(conn: sa.Connection, pipeline: str, *, owner: str, limit: int, lease_seconds: float, now: datetime,
           group_key: str | None = None) -> list[WorkItem]:
-    """Lease up to `limit` due rows (oldest due first), skipping rows another holder is claiming."""
+    """Lease up to `limit` due rows (oldest due first), skipping rows another holder is claiming.
+    A holder the watchdog declared dead claims nothing (`redrive.liveness`)."""
     picked = sa.select(work_items.c.id).where(
+        holder_alive(owner),
         work_items.c.pipeline == pipeline,
         work_items.c.status.in_(OPEN_STATUSES),
         work_items.c.due_at <= now,
@@ -95,8 +98,9 @@ def claim(conn: sa.Connection, pipeline: str, *, owner: str, limit: int, lease_s
 
 
 def _held(item: WorkItem) -> sa.ColumnElement[bool]:
+    """Still ours: the epoch we claimed with, still leased, and our holder not declared dead (issue 25)."""
     return sa.and_(work_items.c.id == item.id, work_items.c.lease_epoch == item.lease_epoch,
-                   work_items.c.status == LEASED)
+                   work_items.c.status == LEASED, holder_alive(work_items.c.lease_owner))
 
 
 def extend(conn: sa.Connection, items: Sequence[WorkItem], *, lease_seconds: float, now: datetime) -> int:

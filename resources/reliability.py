@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dagster import ConfigurableResource
+from dagster import ConfigurableResource, InitResourceContext
 from pydantic import Field
+
+from redrive import liveness
 
 from redrive.clock import Clock, SystemClock
 from redrive.reliability import Reliability
@@ -22,6 +24,20 @@ class ReliabilityResource(ConfigurableResource):
     ui_url: str = "http://localhost:3000"
 
     jitter_seed: str = Field(default="", description="Seeds jitter; fixed per entity, stage and attempt.")
+    heartbeat_seconds: float = Field(default=liveness.HEARTBEAT_SECONDS,
+                                     description="A run using this resource beats this often (the run watchdog).")
+
+    # Every run worker that uses the core beats while its run lasts (issue 25): the watchdog fails a STARTED run
+    # whose worker went silent, whatever killed it. Outside a run (sensors, commands) nothing starts.
+    def setup_for_execution(self, context: InitResourceContext) -> None:
+        run = context.dagster_run
+        if run is not None:
+            liveness.start_for_run(self.database.engine(), run.run_id, interval=self.heartbeat_seconds,
+                                   now=SystemClock().now)
+
+    def teardown_after_execution(self, context: InitResourceContext) -> None:
+        if context.dagster_run is not None:
+            liveness.stop_for_run(context.dagster_run.run_id)
 
     def runtime(self, clock: Clock | None = None) -> Reliability:
         return Reliability(

@@ -11,14 +11,17 @@ shows a failed tick, never a silent "nothing new".
 
 import hashlib
 import json
+from datetime import UTC, datetime
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import dagster as dg
+from dagster._core.events import JobFailureData, RunFailureReason
 from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, WILL_RETRY_TAG
 
 from assets import backlog
-from redrive import deadletters, timers, work
+from redrive import deadletters, liveness, metrics, observations, stalls, timers, work
+from redrive import alerts
 from redrive.alerts import Alert
 from redrive.deadletters import DeadLetter, FinalFailure
 from redrive.drain_ops import DRAIN_TAG
@@ -392,15 +395,142 @@ def dead_letter_reconciliation_sensor(sources: Mapping[str, FailedForGood], *, l
 
 
 def pipeline_backlog_sensor(pipelines: Sequence[str], sources: Mapping[str, PipelineSource], max_age_hours: float,
-                            max_wait_seconds: float, minimum_interval_seconds: int = 300) -> dg.SensorDefinition:
+                            max_wait_seconds: float, minimum_interval_seconds: int = 300,
+                            stall_seconds: float = backlog.DEFAULT_STALL_SECONDS) -> dg.SensorDefinition:
     @dg.sensor(name="redrive_pipeline_backlog", minimum_interval_seconds=minimum_interval_seconds,
                default_status=dg.DefaultSensorStatus.RUNNING,
                description="Reports every pipeline's backlog checks (stale dead letters, stuck due work) on its "
                            "`<pipeline>_backlog` asset every 5 minutes, without starting a run.")
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
-        found = backlog.verdicts(reliability.runtime(), pipelines, sources, max_age_hours, max_wait_seconds)
+        found = backlog.verdicts(reliability.runtime(), pipelines, sources, max_age_hours, max_wait_seconds,
+                                 stall_seconds)
         failing = [f"{p}: {v.check}" for p, vs in found.items() for v in vs if not v.passed]
         context.log.info(f"backlog checks: {', '.join(failing) or 'all passing'}")
         return dg.SensorResult(asset_events=backlog.evaluations(found))
+
+    return _sensor
+
+
+# --- liveness (issue 25) --------------------------------------------------------------------------------
+
+WATCHDOG_REASON = "the run watchdog: no heartbeat from its worker"
+
+
+def _started_at(record) -> "datetime":
+    if record.start_time:
+        return datetime.fromtimestamp(record.start_time, tz=UTC)
+    created = record.create_timestamp  # the run storage's naive UTC
+    return created if created.tzinfo else created.replace(tzinfo=UTC)
+
+
+def fail_silent_runs(runtime, instance: dg.DagsterInstance, *, dead_after: float,
+                     limit: int = 500) -> list[liveness.Silent]:
+    """Every STARTED run whose worker has been silent longer than `dead_after`: fenced (marked dead, its leased
+    rows due again now, one transaction), then failed through Dagster's instance API, so run retries, the
+    run-failure sensor and the due-work sensors carry on. A run already fenced whose failure could not be
+    reported (the run storage was away) is reported again on the next tick."""
+    records = instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]), limit=limit)
+    if not records:
+        return []
+    now = runtime.now()
+    started = {r.dagster_run.run_id: _started_at(r) for r in records}
+    with runtime.engine.begin() as conn:
+        silent = liveness.silent_runs(conn, started, now=now, dead_after=dead_after)
+        liveness.prune(conn, older_than=liveness.stale_before(now), keep=started)
+    failed = []
+    for s in silent:
+        with runtime.engine.begin() as conn:
+            released = liveness.declare_dead(conn, s.run_id, reason=WATCHDOG_REASON, now=now,
+                                             release=lambda c, holder, at: work.release_owner(c, holder, now=at))
+        run = instance.get_run_by_id(s.run_id)
+        if run is None or run.status != dg.DagsterRunStatus.STARTED:
+            continue  # it ended meanwhile; the fence holds whatever it still tries
+        given_back = f"; its {released} leased entities are due again now" if released else ""
+        instance.report_run_failed(run, (
+            f"{WATCHDOG_REASON} for {s.silent_seconds:.0f} s (limit {dead_after:g} s): its process is gone or cut "
+            f"off; the run is fenced and writes nothing more{given_back}"),
+            JobFailureData(error=None, failure_reason=RunFailureReason.UNEXPECTED_TERMINATION))
+        failed.append(s)
+    return failed
+
+
+def run_watchdog_sensor(dead_after: float = liveness.DEAD_AFTER_SECONDS,
+                        minimum_interval_seconds: int = 20) -> dg.SensorDefinition:
+    @dg.sensor(name="redrive_run_watchdog", minimum_interval_seconds=minimum_interval_seconds,
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description=f"Fails a STARTED run whose worker sent no heartbeat for {dead_after:g} s (killed while "
+                           "PostgreSQL was away, or its backend cut as it reported): fenced first, so it writes "
+                           "nothing more; run retries and the due-work sensors carry on.")
+    def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource) -> dg.SkipReason:
+        failed = fail_silent_runs(reliability.runtime(), context.instance, dead_after=dead_after)
+        if not failed:
+            return dg.SkipReason("every started run is beating")
+        return dg.SkipReason("failed silent runs: " + ", ".join(f"{s.run_id} ({s.silent_seconds:.0f} s)"
+                                                                 for s in failed))
+
+    return _sensor
+
+
+@dataclass(frozen=True)
+class StallTick:
+    states: dict[str, stalls.StallState]
+    changes: dict[str, str]  # pipeline → stalled / cleared (only those that changed, or were seen first)
+
+
+def watch_stalls(runtime, pipelines: Sequence[str], sources: Mapping[str, PipelineSource],
+                 stall_seconds: float) -> StallTick:
+    """One tick of the stall watch: every pipeline's progress counter and due work against its last state; a
+    pipeline that just stalled gets its one alert in the same transaction."""
+    now = runtime.now()
+    with runtime.engine.begin() as conn:
+        rows = list(observations.read_all(conn))
+        for source in sources.values():
+            if source.observations is not None:
+                rows += source.observations(conn)
+        counts = stalls.progress_counts(rows)
+        due = metrics.due_work(conn, now, pipelines, sources)
+        before = stalls.load(conn)
+        states, changes = {}, {}
+        for pipeline in pipelines:
+            state, change = stalls.next_state(before.get(pipeline), progress=counts.get(pipeline, 0),
+                                              due=due.get(pipeline, [0, None])[0], now=now, limit=stall_seconds)
+            states[pipeline] = state
+            if change is not None or pipeline not in before:
+                changes[pipeline] = change or "seen"
+            if change == stalls.STALLED:
+                assert state.stalled_since is not None
+                alerts.enqueue(conn, Alert(
+                    pipeline=pipeline, kind="pipeline_stalled", error_class="STALLED",
+                    dedupe_key=f"pipeline_stalled:{pipeline}:{state.stalled_since.isoformat()}",
+                    summary=sanitize_text(
+                        f"{pipeline} is stalled: {state.due} item(s) due and no progress for "
+                        f"{state.seconds_without_progress(now):.0f} s (limit {stall_seconds:g} s). "
+                        "Look for STARTED runs without a live worker and at the due-work sensor "
+                        "(docs/operating.md, Stuck runs and stalled pipelines).")[:400]),
+                    list(runtime.channels), now)
+        stalls.save(conn, states, now=now)
+    if stalls.STALLED in changes.values():
+        runtime.try_dispatch()
+    return StallTick(states, changes)
+
+
+def stall_evaluations(tick: StallTick, now: "datetime", stall_seconds: float) -> list[dg.AssetCheckEvaluation]:
+    """The `pipeline_progressing` check of the pipelines whose state changed, as evaluations without a run."""
+    found = {p: [backlog.progressing_verdict(tick.states[p], now, stall_seconds)] for p in tick.changes}
+    return backlog.evaluations(found)
+
+
+def pipeline_stall_sensor(pipelines: Sequence[str], sources: Mapping[str, PipelineSource], stall_seconds: float,
+                          minimum_interval_seconds: int = 30) -> dg.SensorDefinition:
+    @dg.sensor(name="redrive_stall_watch", minimum_interval_seconds=minimum_interval_seconds,
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description=f"Watches every pipeline's progress: due work and nothing settled for {stall_seconds:g} s "
+                           "is a stall (one alert, a failing `pipeline_progressing` check), cleared when it moves.")
+    def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
+        runtime = reliability.runtime()
+        tick = watch_stalls(runtime, pipelines, sources, stall_seconds)
+        stalled = sorted(p for p, s in tick.states.items() if s.stalled_since is not None)
+        context.log.info(f"stalled: {', '.join(stalled) or 'none'}")
+        return dg.SensorResult(asset_events=stall_evaluations(tick, runtime.now(), stall_seconds))
 
     return _sensor

@@ -22,6 +22,7 @@ from assets.conversion import repository as repo
 from assets.conversion.files import FileStore
 from assets.conversion.settings import BREAKER, PIPELINE, file_store, settings_of
 from assets.conversion.worker import JsonLog, Shutdown, Worker
+from redrive import liveness
 from redrive.breaker import CircuitBreaker, Transition
 from redrive.stages import EXPECTED_FAILURE_TAG, OP_RETRY_POLICY, sanitized_body
 from resources.conversion import ConversionResource
@@ -52,6 +53,8 @@ def convert_due_jobs(context: dg.OpExecutionContext, config: WorkerRunConfig, re
     worker = Worker(reliability.runtime(), conversion.gateway(settings.gateway_timeout_ms),
                     file_store(settings), settings, worker_id=worker_id,
                     shutdown=shutdown, log=log)
+    # declared dead by the run watchdog (its beats did not land): stop claiming, as on SIGTERM (issue 25)
+    liveness.when_fenced(context.run_id, shutdown.request)
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:
         # SIGTERM (a run terminated from the UI, a deploy) → stop claiming, finish or requeue (003 §3.5);

@@ -18,6 +18,7 @@ from assets.matching import ingestion, repository, worker
 from assets.matching.policy import PIPELINE, STATUSES
 from redrive.drain_ops import DRAIN_TAG
 from redrive.stages import OP_RETRY_POLICY, sanitized_body
+from resources.database import PostgresResource
 from resources.llm import LlmResource
 from resources.matching import MatchingResource
 from resources.reliability import ReliabilityResource
@@ -98,8 +99,10 @@ def matching_drain_job() -> None:
 
 @dg.op(retry_policy=OP_RETRY_POLICY)
 @sanitized_body
-def matching_setup(context: dg.OpExecutionContext, matching: MatchingResource) -> dg.Output:
+def matching_setup(context: dg.OpExecutionContext, matching: MatchingResource,
+                   database: PostgresResource) -> dg.Output:
     """Create the matching queue and its DLQ (60 s visibility, redrive after 3 receives), idempotently."""
+    del database  # not queried: the resource is what makes this run beat for the run watchdog (redrive.liveness)
     queue = matching.queue()
     url = queue.ensure()
     attrs = queue.attributes()

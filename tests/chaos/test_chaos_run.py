@@ -52,9 +52,11 @@ def test_the_ci_chaos_run_passes(project_tmp: Path) -> None:
         assert row["items_in"] > 0 and row["done"] > 0  # it counted something
         assert (row["lost"], row["duplicate_effects"], row["canaries"], row["unreplayable"],
                 row["alerts_not_one"]) == (0, 0, 0, 0, 0)
+        # issue 25: no pipeline stalls (open work, no progress) longer than the limit; the verdict says how long
+        assert 0 <= row["longest_stall_seconds"] <= row["stall_limit_seconds"] == 300, row
     assert sum(row["dead_lettered"] for row in verdicts.values()) > 0  # permanent faults reached dead letters
     text = report.read_text()
-    assert "--seed 7" in text and "SIGKILL" in text and "PostgreSQL restarted" in text
+    assert "--seed 7" in text and "SIGKILL" in text and "PostgreSQL restarted" in text and "longest stall" in text
 
 
 @pytest.mark.timeout(1200)

@@ -174,3 +174,24 @@ def test_canaries_are_shapes_the_sanitizer_knows() -> None:
 class _NoEffects:
     def effects(self) -> list[dict]:
         return []
+
+
+def test_the_longest_stall_counts_only_open_work_that_does_not_move_and_fails_the_verdict_past_the_limit() -> None:
+    """Polls of (entities, open): a spell with open work and no change is a stall, a missed poll (PostgreSQL away)
+    counts as part of it, idle time does not; a stall over the limit fails the pipeline's verdict."""
+    meter = v.StallMeter()
+    for t, total, open_ in [(0, 10, 10), (2, 10, 8), (100, 10, 8), (400, 10, 8),  # 398 s stuck at 8 open
+                            (402, 10, 0), (900, 10, 0),  # done: idle is not a stall
+                            (902, 12, 2), (950, 12, 1)]:
+        meter.observe(t, total, open_, expected=10)
+    assert meter.longest == 398
+    short = v.StallMeter()
+    for t in range(0, 600, 2):  # moving every poll
+        short.observe(t, 10, 600 - t, expected=10)
+    assert short.longest == 0
+    settled = v.settle(2, {"a", "b"}, {"a": v.DONE, "b": v.DONE}, set())
+    ok = v.verdict("p", settled, duplicate_effects=0, canaries=[], unreplayable=[], alerts=[], longest_stall=299)
+    stuck = v.verdict("p", settled, duplicate_effects=0, canaries=[], unreplayable=[], alerts=[],
+                      longest_stall=meter.longest)
+    assert not ok.failed and stuck.failed and stuck.as_json()["longest_stall_seconds"] == 398
+    assert "398 |" in v.table([stuck])[-1] and "FAIL" in v.table([stuck])[-1]

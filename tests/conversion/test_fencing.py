@@ -78,3 +78,22 @@ def test_a_lease_being_written_is_not_reclaimed(engine, submit, make_worker, clo
         assert worker.reclaim() == []
         assert repo.complete(holder, lease, f"{job_id}.xml", clock.now(), {})
     assert job(engine, job_id).status == "succeeded"
+
+
+def test_a_turn_whose_commit_was_lost_counts_only_its_own_completions(engine, submit, make_worker, clock) -> None:
+    """`completed_before` (a worker's turn retried after its COMMIT was lost in transit) recognises a job as done
+    by *this* lease only: when another holder took the job over and already succeeded, the late lease's completion
+    is not accepted as its own (issue 25: caught before only by a 41-second multi-process test)."""
+    job_id = submit()
+    a, b = make_worker(worker_id="a"), make_worker(worker_id="b")
+    stale = a.claim()
+    clock.advance(3)  # lease TTL 2 s: A looks dead
+    assert [r.job_id for r in b.reclaim()] == [job_id]
+    fresh = b.claim()
+    assert stale is not None and fresh is not None and fresh.epoch == stale.epoch + 1
+    with engine.connect() as conn:
+        assert repo.completed_before(conn, [stale, fresh]) == set()  # nobody has completed it yet
+    assert b._complete(fresh, b"<document sha256=\"1\"/>", 1.0, None) == "succeeded"
+    with engine.connect() as conn:
+        assert repo.completed_before(conn, [stale]) == set()  # B's success is not A's
+        assert repo.completed_before(conn, [fresh]) == {job_id}

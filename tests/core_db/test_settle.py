@@ -139,3 +139,21 @@ def test_jitter_is_drawn_per_entity_stage_and_attempt(rt, engine) -> None:
                 on_retry=lambda conn, v: True).verdict.wait
     assert waits["a"] == again
     assert len(set(waits.values())) == 3
+
+
+def test_a_final_transaction_that_fails_at_commit_leaves_no_dead_letter_either(rt, engine) -> None:
+    """The dead letter and alert share the entity's transaction: when that transaction fails at COMMIT (here a
+    deferred constraint the pipeline's write broke), no letter or alert survives it (issue 25: a letter written
+    in a transaction of its own would)."""
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE demo_outbox (job text, CONSTRAINT uq_demo_outbox UNIQUE (job) "
+                             "DEFERRABLE INITIALLY DEFERRED)"))
+
+    def write_then_break_at_commit(conn: sa.Connection, verdict: Verdict) -> bool:
+        conn.execute(sa.text("INSERT INTO demo_outbox VALUES ('job-1'), ('job-1')"))  # checked at COMMIT only
+        return fail_write(conn, verdict)
+
+    with pytest.raises(sa.exc.IntegrityError):
+        run(rt, Failure.of(Code.BAD_REQUEST), 1, on_final=write_then_break_at_commit)
+    assert job(engine) == ("running", None, None)
+    assert letters_and_alerts(engine) == (0, 0)

@@ -59,7 +59,7 @@ def test_the_sensor_reports_failing_checks_without_a_run_and_the_check_runs_on_i
         result = sensor.evaluate_tick(context)
     assert result.run_requests == []
     verdicts = {(e.asset_key.to_user_string(), e.check_name): e.passed for e in result.asset_events}
-    assert len(verdicts) == 2 * len(PIPELINES)
+    assert len(verdicts) == 3 * len(PIPELINES)  # stale letters, due work flowing, pipeline progressing
     failing = sorted(k for k, passed in verdicts.items() if not passed)
     assert failing == [("criticizer_backlog", "due_work_flowing"), ("evidence_backlog", "no_stale_dead_letters")]
 
