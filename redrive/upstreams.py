@@ -1,0 +1,479 @@
+"""Limits per upstream, shared by every run, worker and machine through PostgreSQL (issue 26 §3, §4).
+
+A provider caps concurrent requests and requests per second for the whole account, not per worker; so
+the caps live in the system of record and every process that calls the upstream takes from them:
+
+- **Concurrency slots with leases.** `upstream_slots` holds one row per slot; a call holds one for its
+  duration. A holder that dies (SIGKILL, lost machine) gives its slot back when the lease ends.
+- **Requests per second.** A ring of the last N grant times on the upstream's row (`upstream_limits`):
+  a grant is allowed when the N-th newest is older than the window, so no window of that length ever
+  holds more than N grants (exact, unlike a token bucket whose burst adds to its rate).
+- **Retry-After is news for everyone.** A 429 pauses the upstream (`paused_until`) for every worker.
+- **A retry budget** (Finagle's RetryBudget shape): a retry is sent only while retries over the last
+  `retry_window_seconds` stay within `retry_share` of all calls plus `retry_floor_per_second` per
+  second. Beyond it :class:`RetryDeferred` is raised before anything is sent: the drain makes the
+  entity due later without spending an attempt, and the first denial of an episode raises one alert
+  per upstream (not one per entity).
+
+The hot path is one round trip: `redrive_upstream_acquire(...)` (a stored function, migration 0010)
+decides pause, budget, slot and rate under row locks and returns a slot or how long to wait; a
+release is a second, one-row UPDATE. An entity waiting for a slot only waits: it spends no attempt.
+The decision formulas are written once, in that function; :func:`retry_allowance` states the budget's
+formula for documentation and tests.
+
+Resources call :func:`guarded` ("llm", fn): with no :class:`Upstreams` installed in the process, or
+none configured for that name, the call goes straight through (tests, commands).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TypeVar
+
+import httpx
+import sqlalchemy as sa
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.dialects.postgresql import ARRAY, insert
+
+from redrive.clock import Clock, SystemClock
+from redrive.failures import parse_retry_after
+from redrive.schema import NOW, TZ, metadata
+
+__all__ = [
+    "UPSTREAMS",
+    "RetryDeferred",
+    "UpstreamLimits",
+    "Upstreams",
+    "guarded",
+    "install",
+    "installed",
+    "retry_allowance",
+    "retrying",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+UPSTREAMS = ("llm", "artifact_store", "case_api", "mail", "pdf_gateway", "webhooks", "slack")
+"""The upstreams our resources call, by the name their settings and metrics use."""
+
+upstream_limits = sa.Table(
+    "upstream_limits",
+    metadata,
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("max_concurrent", sa.Integer),
+    sa.Column("rate_per_second", sa.Float),
+    sa.Column("ring_size", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("rate_window_seconds", sa.Float, nullable=False, server_default="1"),
+    sa.Column("ring", ARRAY(TZ), nullable=False, server_default=sa.text("'{}'")),
+    sa.Column("ring_pos", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("paused_until", TZ),
+    sa.Column("pauses", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("retry_share", sa.Float),
+    sa.Column("retry_floor_per_second", sa.Float, nullable=False, server_default="1"),
+    sa.Column("retry_window_seconds", sa.Integer, nullable=False, server_default="10"),
+    sa.Column("retries_denied", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("budget_episodes", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("budget_last_denied_at", TZ),
+    sa.Column("updated_at", TZ, nullable=False, server_default=NOW),
+)
+
+upstream_slots = sa.Table(
+    "upstream_slots",
+    metadata,
+    sa.Column("upstream", sa.Text, primary_key=True),
+    sa.Column("slot", sa.Integer, primary_key=True),
+    sa.Column("holder", sa.Text),
+    sa.Column("lease_until", TZ),
+)
+
+upstream_calls = sa.Table(
+    "upstream_calls",
+    metadata,
+    sa.Column("upstream", sa.Text, primary_key=True),
+    sa.Column("second", sa.BigInteger, primary_key=True),
+    sa.Column("calls", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("retries", sa.Integer, nullable=False, server_default="0"),
+)
+
+upstream_waiters = sa.Table(
+    "upstream_waiters",
+    metadata,
+    sa.Column("upstream", sa.Text, primary_key=True),
+    sa.Column("waiter", sa.Text, primary_key=True),
+    sa.Column("until", TZ, nullable=False),
+)
+
+
+# ---------------------------------------------------------------------------------------------- policy
+
+
+class UpstreamLimits(BaseModel):
+    """One upstream's limits (a setting per upstream, e.g. `REDRIVE_UPSTREAM_LLM='{"max_concurrent": 64}'`).
+
+    Size them under the provider's own limits (docs/operating.md, "Upstream limits"): the limiter
+    counts grants, the provider counts arrivals, and the network between them shifts a few.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_concurrent: int | None = Field(default=None, ge=1, le=10_000)
+    rate_per_second: float | None = Field(default=None, gt=0, le=100_000)
+    lease_seconds: float = Field(default=120.0, gt=0, description="A dead holder's slot comes back after this; "
+                                 "longer than the call's timeout.")
+    retry_share: float | None = Field(default=None, ge=0, le=10, description="Retries may be this share of "
+                                      "calls over the window (0.1 = 10 %); unset: no retry budget.")
+    retry_floor_per_second: float = Field(default=1.0, ge=0)
+    retry_window_seconds: int = Field(default=10, ge=1, le=3600)
+    max_pause_seconds: float = Field(default=300.0, ge=0, description="A Retry-After longer than this is cut.")
+    throttle_retries: int = Field(default=2, ge=0, le=10, description="A 429 is waited out (with every "
+                                  "worker) and sent again this many times before it fails the attempt.")
+
+    @property
+    def active(self) -> bool:
+        return self.max_concurrent is not None or self.rate_per_second is not None or self.retry_share is not None
+
+    def ring(self) -> tuple[int, float]:
+        """(N, window): at most N grants in any window of that many seconds, N / window = the rate."""
+        if self.rate_per_second is None:
+            return 1, 1.0
+        size = max(1, math.floor(self.rate_per_second))
+        return size, size / self.rate_per_second
+
+
+def retry_allowance(calls: int, policy: UpstreamLimits) -> float:
+    """How many retries the window allows: `retry_share` of its calls plus the floor for its length."""
+    share = policy.retry_share or 0.0
+    return share * calls + policy.retry_floor_per_second * policy.retry_window_seconds
+
+
+class RetryDeferred(Exception):  # noqa: N818 - a decision, not an error: the retry waits, no attempt spent
+    """The upstream's retry budget is spent: this retry is not sent; the entity is due again later."""
+
+    def __init__(self, upstream: str, wait: float) -> None:
+        super().__init__(f"retry budget of upstream {upstream!r} exhausted; retry deferred")
+        self.upstream, self.wait = upstream, wait
+
+
+_RETRYING: contextvars.ContextVar[bool] = contextvars.ContextVar("redrive_upstream_retrying", default=False)
+
+
+@contextlib.contextmanager
+def retrying(flag: bool = True) -> Iterator[None]:
+    """Mark the calls of this thread as a retry of failed work (the drain sets it for an entity whose
+    last attempt failed); its first call to an upstream draws on that upstream's retry budget."""
+    token = _RETRYING.set(flag)
+    try:
+        yield
+    finally:
+        _RETRYING.reset(token)
+
+
+# ------------------------------------------------------------------------------------------ repository
+
+ACQUIRE_FUNCTION = """
+CREATE OR REPLACE FUNCTION redrive_upstream_acquire(
+    p_name text, p_holder text, p_now timestamptz, p_lease double precision, p_retry boolean, p_waited boolean)
+RETURNS TABLE (slot integer, wait double precision, reason text, new_episode boolean)
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    lim upstream_limits%ROWTYPE;
+    s integer := 0;
+    sec bigint := floor(extract(epoch FROM p_now));
+    n_calls bigint;
+    n_retries bigint;
+    oldest timestamptz;
+    fresh boolean := false;
+BEGIN
+    SELECT * INTO lim FROM upstream_limits l WHERE l.name = p_name;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT 0, 0.0::float8, 'unlimited'::text, false;
+        RETURN;
+    END IF;
+    -- a provider's Retry-After holds every worker
+    IF lim.paused_until IS NOT NULL AND lim.paused_until > p_now THEN
+        INSERT INTO upstream_waiters AS w VALUES (p_name, p_holder, lim.paused_until + interval '30 seconds')
+            ON CONFLICT (upstream, waiter) DO UPDATE SET until = excluded.until;
+        RETURN QUERY SELECT NULL::integer, extract(epoch FROM lim.paused_until - p_now)::float8, 'paused'::text, false;
+        RETURN;
+    END IF;
+    -- the retry budget: retries <= share * calls + floor * window over the sliding window
+    IF p_retry AND lim.retry_share IS NOT NULL THEN
+        SELECT coalesce(sum(c.calls), 0), coalesce(sum(c.retries), 0) INTO n_calls, n_retries
+          FROM upstream_calls c WHERE c.upstream = p_name AND c.second > sec - lim.retry_window_seconds;
+        IF n_retries + 1 > lim.retry_share * n_calls + lim.retry_floor_per_second * lim.retry_window_seconds THEN
+            SELECT l.budget_last_denied_at IS NULL
+                   OR l.budget_last_denied_at < p_now - make_interval(secs => l.retry_window_seconds)
+              INTO fresh FROM upstream_limits l WHERE l.name = p_name FOR UPDATE;
+            UPDATE upstream_limits l SET retries_denied = l.retries_denied + 1,
+                   budget_episodes = l.budget_episodes + CASE WHEN fresh THEN 1 ELSE 0 END,
+                   budget_last_denied_at = greatest(coalesce(l.budget_last_denied_at, p_now), p_now)
+             WHERE l.name = p_name;
+            RETURN QUERY SELECT NULL::integer, lim.retry_window_seconds::float8, 'retry_budget'::text, fresh;
+            RETURN;
+        END IF;
+    END IF;
+    -- a free slot (a dead holder's lease has ended); locked, so two callers never take the same one
+    IF lim.max_concurrent IS NOT NULL THEN
+        SELECT us.slot INTO s FROM upstream_slots us
+         WHERE us.upstream = p_name AND us.slot <= lim.max_concurrent
+           AND (us.lease_until IS NULL OR us.lease_until <= p_now)
+         ORDER BY us.slot LIMIT 1 FOR UPDATE SKIP LOCKED;
+        IF s IS NULL THEN
+            INSERT INTO upstream_waiters AS w VALUES (p_name, p_holder, p_now + interval '30 seconds')
+                ON CONFLICT (upstream, waiter) DO UPDATE SET until = excluded.until;
+            RETURN QUERY SELECT NULL::integer, 0.0::float8, 'concurrency'::text, false;
+            RETURN;
+        END IF;
+    END IF;
+    -- the rate: the N-th newest grant must be older than the window
+    IF lim.rate_per_second IS NOT NULL THEN
+        SELECT l.ring[l.ring_pos] INTO oldest FROM upstream_limits l WHERE l.name = p_name FOR UPDATE;
+        IF oldest IS NOT NULL AND oldest > p_now - make_interval(secs => lim.rate_window_seconds) THEN
+            INSERT INTO upstream_waiters AS w VALUES (p_name, p_holder, p_now + interval '30 seconds')
+                ON CONFLICT (upstream, waiter) DO UPDATE SET until = excluded.until;
+            RETURN QUERY SELECT NULL::integer,
+                extract(epoch FROM oldest + make_interval(secs => lim.rate_window_seconds) - p_now)::float8,
+                'rate'::text, false;
+            RETURN;
+        END IF;
+        UPDATE upstream_limits l SET ring[l.ring_pos] = p_now, ring_pos = l.ring_pos % l.ring_size + 1
+         WHERE l.name = p_name;
+    END IF;
+    IF s > 0 THEN
+        UPDATE upstream_slots us SET holder = p_holder, lease_until = p_now + make_interval(secs => p_lease)
+         WHERE us.upstream = p_name AND us.slot = s;
+    END IF;
+    IF lim.retry_share IS NOT NULL THEN
+        INSERT INTO upstream_calls AS c VALUES (p_name, sec, 1, CASE WHEN p_retry THEN 1 ELSE 0 END)
+            ON CONFLICT (upstream, second) DO UPDATE
+            SET calls = c.calls + 1, retries = c.retries + CASE WHEN p_retry THEN 1 ELSE 0 END;
+        IF sec % 60 = 0 THEN
+            DELETE FROM upstream_calls c WHERE c.upstream = p_name AND c.second < sec - 3600;
+        END IF;
+    END IF;
+    IF p_waited THEN
+        DELETE FROM upstream_waiters w WHERE w.upstream = p_name AND w.waiter = p_holder;
+    END IF;
+    RETURN QUERY SELECT s, 0.0::float8, 'granted'::text, false;
+END
+$fn$;
+"""
+
+_ACQUIRE = sa.text("SELECT slot, wait, reason, new_episode FROM "
+                   "redrive_upstream_acquire(:name, :holder, :now, :lease, :retry, :waited)")
+
+
+def configure(conn: sa.Connection, name: str, limits: UpstreamLimits, now: datetime) -> None:
+    """Write the upstream's limits and its slot rows (idempotent; a changed rate starts a fresh ring)."""
+    size, window = limits.ring()
+    values = {"max_concurrent": limits.max_concurrent, "rate_per_second": limits.rate_per_second,
+              "ring_size": size, "rate_window_seconds": window, "retry_share": limits.retry_share,
+              "retry_floor_per_second": limits.retry_floor_per_second,
+              "retry_window_seconds": limits.retry_window_seconds, "updated_at": now}
+    stmt = insert(upstream_limits).values(name=name, **values)
+    conn.execute(stmt.on_conflict_do_update(index_elements=["name"], set_={
+        **values,
+        "ring": sa.case((upstream_limits.c.ring_size == size, upstream_limits.c.ring), else_=sa.text("'{}'")),
+        "ring_pos": sa.case((upstream_limits.c.ring_size == size, upstream_limits.c.ring_pos), else_=1),
+    }))
+    if limits.max_concurrent:
+        conn.execute(sa.text(
+            "INSERT INTO upstream_slots (upstream, slot) SELECT :name, generate_series(1, :n) "
+            "ON CONFLICT DO NOTHING"), {"name": name, "n": limits.max_concurrent})
+        conn.execute(sa.delete(upstream_slots).where(upstream_slots.c.upstream == name,
+                                                     upstream_slots.c.slot > limits.max_concurrent,
+                                                     upstream_slots.c.holder.is_(None)))
+
+
+def release(conn: sa.Connection, name: str, slot: int, holder: str) -> bool:
+    """Give the slot back (only if still ours: an expired lease may have passed it on)."""
+    return conn.execute(sa.update(upstream_slots).where(
+        upstream_slots.c.upstream == name, upstream_slots.c.slot == slot, upstream_slots.c.holder == holder,
+    ).values(holder=None, lease_until=None)).rowcount == 1
+
+
+def pause(conn: sa.Connection, name: str, until: datetime) -> None:
+    """Hold the upstream for every worker until `until` (a longer pause already set stays)."""
+    conn.execute(sa.update(upstream_limits).where(upstream_limits.c.name == name).values(
+        paused_until=sa.func.greatest(sa.func.coalesce(upstream_limits.c.paused_until, until), until),
+        pauses=upstream_limits.c.pauses + 1))
+
+
+@dataclass(frozen=True)
+class UpstreamState:
+    """What the metrics endpoint shows of one upstream."""
+
+    name: str
+    max_concurrent: int | None
+    rate_per_second: float | None
+    slots_in_use: int
+    waiting: int
+    paused_seconds_left: float
+    pauses: int
+    retries_denied: int
+    budget_episodes: int
+
+
+def states(conn: sa.Connection, now: datetime) -> list[UpstreamState]:
+    """Every configured upstream: slots whose lease runs, waiters still waiting, pause left, denials."""
+    in_use = sa.select(sa.func.count()).where(
+        upstream_slots.c.upstream == upstream_limits.c.name, upstream_slots.c.holder.is_not(None),
+        upstream_slots.c.lease_until > now).scalar_subquery()
+    waiting = sa.select(sa.func.count()).where(
+        upstream_waiters.c.upstream == upstream_limits.c.name, upstream_waiters.c.until > now).scalar_subquery()
+    rows = conn.execute(sa.select(upstream_limits, in_use.label("in_use"), waiting.label("waiting"))
+                        .order_by(upstream_limits.c.name))
+    return [UpstreamState(r.name, r.max_concurrent, r.rate_per_second, r.in_use, r.waiting,
+                          max(0.0, (r.paused_until - now).total_seconds()) if r.paused_until else 0.0,
+                          r.pauses, r.retries_denied, r.budget_episodes) for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------- facade
+
+
+@dataclass(frozen=True)
+class Grant:
+    upstream: str
+    slot: int
+    holder: str
+
+
+@dataclass
+class Upstreams:
+    """The limits of every upstream this process calls, on one engine; `call(name, fn)` runs fn within them.
+
+    `on_exhausted(name)` is called once per budget episode across all processes (the alert).
+    """
+
+    engine: sa.Engine
+    limits: Mapping[str, UpstreamLimits]
+    clock: Clock = field(default_factory=SystemClock)
+    sleep: Callable[[float], None] = time.sleep
+    on_exhausted: Callable[[str], None] | None = None
+    poll_seconds: float = 0.05  # a full upstream is asked again this often (slots free at unknown times)
+    _configured: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    waiting: dict[str, int] = field(default_factory=dict)  # in this process, for a run's own report
+
+    def configure(self) -> None:
+        """Write every active upstream's limits (once per process; idempotent across processes)."""
+        with self._lock:
+            if self._configured:
+                return
+            with self.engine.begin() as conn:
+                for name, limits in sorted(self.limits.items()):
+                    if limits.active:
+                        configure(conn, name, limits, self.clock.now())
+            self._configured = True
+
+    def limited(self, name: str) -> UpstreamLimits | None:
+        limits = self.limits.get(name)
+        return limits if limits is not None and limits.active else None
+
+    def call(self, name: str, fn: Callable[[], T]) -> T:
+        """`fn()` holding a slot and a rate grant of `name`; a 429 pauses `name` for every worker and is
+        waited out up to `throttle_retries` times. Raises :class:`RetryDeferred` before sending a retry
+        that the budget does not allow."""
+        limits = self.limited(name)
+        if limits is None:
+            return fn()
+        throttled = 0
+        while True:
+            grant = self.acquire(name, limits)
+            try:
+                return fn()
+            except httpx.HTTPStatusError as exc:
+                if exc.response.status_code != 429:
+                    raise
+                wait = self._pause_for(name, limits, exc.response)
+                if throttled >= limits.throttle_retries or wait > limits.max_pause_seconds:
+                    raise
+                throttled += 1
+            finally:
+                self._release(grant)
+
+    def acquire(self, name: str, limits: UpstreamLimits) -> Grant:
+        """Wait (spending no attempt) until `name` grants a slot and a rate token; one round trip a try."""
+        self.configure()
+        holder = uuid.uuid4().hex
+        retry = _RETRYING.get()
+        waited = False
+        try:
+            while True:
+                with self.engine.begin() as conn:
+                    row = conn.execute(_ACQUIRE, {"name": name, "holder": holder, "now": self.clock.now(),
+                                                  "lease": limits.lease_seconds, "retry": retry,
+                                                  "waited": waited}).one()
+                if row.slot is not None:
+                    if retry:
+                        _RETRYING.set(False)  # the entity's next calls are not retries
+                    return Grant(name, row.slot, holder)
+                if row.reason == "retry_budget":
+                    if row.new_episode and self.on_exhausted is not None:
+                        try:
+                            self.on_exhausted(name)
+                        except Exception:  # noqa: BLE001 - the alert sensor retries pending deliveries
+                            log.warning("upstream %s: retry-budget alert could not be written", name)
+                    raise RetryDeferred(name, float(row.wait))
+                if not waited:
+                    waited = True
+                    with self._lock:
+                        self.waiting[name] = self.waiting.get(name, 0) + 1
+                self.sleep(min(max(float(row.wait), self.poll_seconds), 1.0))
+        finally:
+            if waited:
+                with self._lock:
+                    self.waiting[name] -= 1
+
+    def _release(self, grant: Grant) -> None:
+        if grant.slot <= 0:
+            return
+        try:
+            with self.engine.begin() as conn:
+                release(conn, grant.upstream, grant.slot, grant.holder)
+        except Exception:  # noqa: BLE001 - the slot's lease ends and it comes back by itself
+            log.warning("upstream %s: slot %s not released; it comes back when its lease ends",
+                        grant.upstream, grant.slot)
+
+    def _pause_for(self, name: str, limits: UpstreamLimits, response: httpx.Response) -> float:
+        now = self.clock.now()
+        asked = parse_retry_after(response.headers.get("retry-after"), now)
+        wait = min(asked if asked is not None else 1.0, limits.max_pause_seconds)
+
+        with self.engine.begin() as conn:
+            pause(conn, name, now + timedelta(seconds=wait))
+        log.info("upstream %s answered 429: paused for every worker for %.1f s", name, wait)
+        return asked if asked is not None else 1.0
+
+
+# ------------------------------------------------------------------------------------- process registry
+
+_INSTALLED: Upstreams | None = None
+
+
+def install(upstreams: Upstreams | None) -> None:
+    """Make `upstreams` the limits every resource of this process calls through (None: no limits)."""
+    global _INSTALLED
+    _INSTALLED = upstreams
+
+
+def installed() -> Upstreams | None:
+    return _INSTALLED
+
+
+def guarded(name: str, fn: Callable[[], T]) -> T:
+    """`fn()` within `name`'s limits when this process has them, else `fn()` as it is."""
+    upstreams = _INSTALLED
+    if upstreams is None:
+        return fn()
+    return upstreams.call(name, fn)
