@@ -22,12 +22,12 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 
-from redrive import checkpoints, deadletters, logs, observations, work
+from redrive import checkpoints, deadletters, logs, observations, upstreams, work
 from redrive.failures import Failure
 from redrive.reliability import Reliability
 from redrive.sanitize import sanitize_exception, sanitize_text
@@ -126,6 +126,7 @@ class DrainReport:
     retried: int = 0
     dead_lettered: int = 0
     lease_lost: int = 0
+    deferred: int = 0  # retries an upstream's retry budget held back: due later, no attempt spent
     batches: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)  # failed attempts by error class
@@ -136,7 +137,8 @@ class DrainReport:
 
     def as_metadata(self) -> dict[str, int]:
         return {"claimed": self.claimed, "done": self.done, "retried": self.retried,
-                "dead_lettered": self.dead_lettered, "lease_lost": self.lease_lost, "batches": self.batches}
+                "dead_lettered": self.dead_lettered, "lease_lost": self.lease_lost, "deferred": self.deferred,
+                "batches": self.batches}
 
 
 @dataclass
@@ -246,13 +248,18 @@ class Drain:
             if item.payload.get("replay_from") == FROM_START:
                 with self.engine.begin() as conn:
                     checkpoints.clear(conn, self.pipeline, item.entity_ref)
-            handle(attempt)
+            # an entity whose last attempt failed retries: its first upstream call draws on the retry budget
+            with upstreams.retrying(item.stage is not None and attempt.replay_of is None):
+                handle(attempt)
         except Exception as exc:  # noqa: BLE001 - every failure is classified and settled, none escapes
             stage, cause = (exc.stage, exc.cause) if isinstance(exc, StageError) else \
                 (attempt.current_stage or item.stage or next(iter(self.policies)), exc)
             seconds = exc.seconds if isinstance(exc, StageError) else None
             try:
-                outcome = self._settle_failure(attempt, stage, cause, seconds)
+                if isinstance(cause, upstreams.RetryDeferred):
+                    outcome = self._defer_retry(attempt, stage, cause)
+                else:
+                    outcome = self._settle_failure(attempt, stage, cause, seconds)
             except LeaseLost:
                 outcome = "lease_lost"
             except Exception as settle_exc:  # noqa: BLE001 - the row's lease expires and it is worked again
@@ -277,6 +284,8 @@ class Drain:
                 report.dead_lettered += 1
             elif outcome == "lease_lost":
                 report.lease_lost += 1
+            elif outcome == "deferred":
+                report.deferred += 1
             else:
                 report.errors[outcome] = report.errors.get(outcome, 0) + 1
 
@@ -301,6 +310,18 @@ class Drain:
                 pipeline=self.pipeline, entity=attempt.entity_ref, stage=last, run_id=self.run_id,
                 attempt=sum(attempt.stage_attempts().values())))
         return "done"
+
+    def _defer_retry(self, attempt: Attempt, stage: str, deferred: upstreams.RetryDeferred) -> str:
+        """The upstream's retry budget held this retry back before it was sent: the row falls due later
+        (spread by jitter) with its attempts as they were, so an outage never spends entities' attempts."""
+        item, now = attempt.item, self.reliability.now()
+        spread = self.reliability.rng_for(f"{self.pipeline}:{item.entity_ref}:deferred:{now.isoformat()}")
+        due_at = now + timedelta(seconds=deferred.wait * spread.uniform(0.5, 1.5))
+        with self.engine.begin() as conn:
+            if not work.reschedule(conn, item, due_at=due_at, stage=stage, attempts=attempt.stage_attempts(),
+                                   error=f"{stage} of {item.entity_ref}: {deferred}", now=now):
+                raise LeaseLost(item.entity_ref)
+        return "deferred"
 
     def _settle_failure(self, attempt: Attempt, stage: str, exc: BaseException, seconds: float | None = None) -> str:
         item = attempt.item

@@ -13,6 +13,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from redrive.upstream_policy import UPSTREAMS, UpstreamLimits
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -80,6 +82,22 @@ class Settings(BaseSettings):
         default=300.0,
         description="Retry waits longer than this leave the run and become a durable timer in Postgres.",
     )
+
+    # --- upstream limits, shared by every run and process (issue 26; docs/operating.md "Upstream limits") ---
+    # JSON per upstream, e.g. REDRIVE_UPSTREAM_LLM='{"max_concurrent": 60, "rate_per_second": 45,
+    # "retry_share": 0.1}'. Unset: calls to that upstream go straight out, as before.
+    redrive_upstream_llm: UpstreamLimits | None = None
+    redrive_upstream_artifact_store: UpstreamLimits | None = None
+    redrive_upstream_case_api: UpstreamLimits | None = None
+    redrive_upstream_mail: UpstreamLimits | None = None
+    redrive_upstream_pdf_gateway: UpstreamLimits | None = None
+    redrive_upstream_webhooks: UpstreamLimits | None = None
+    redrive_upstream_slack: UpstreamLimits | None = None
+
+    def upstream_limits(self) -> dict[str, UpstreamLimits]:
+        """The configured upstreams' limits by name (`redrive.upstream_policy.UPSTREAMS`)."""
+        found = {name: getattr(self, f"redrive_upstream_{name}") for name in UPSTREAMS}
+        return {name: limits for name, limits in found.items() if limits is not None}
 
     def _sandbox(self, path: str) -> str | None:
         return f"{self.sandbox_url.rstrip('/')}{path}" if self.sandbox_url else None

@@ -30,26 +30,26 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-import math
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
 import httpx
 import sqlalchemy as sa
-from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.dialects.postgresql import ARRAY, insert
 
 from redrive.clock import Clock, SystemClock
-from redrive.failures import parse_retry_after
+from redrive.failures import RedriveError, parse_retry_after
 from redrive.schema import NOW, TZ, metadata
+from redrive.upstream_policy import UPSTREAMS, RetryDeferred, UpstreamLimits, retry_allowance
 
 __all__ = [
     "UPSTREAMS",
+    "Grant",
     "RetryDeferred",
     "UpstreamLimits",
     "Upstreams",
@@ -62,9 +62,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-UPSTREAMS = ("llm", "artifact_store", "case_api", "mail", "pdf_gateway", "webhooks", "slack")
-"""The upstreams our resources call, by the name their settings and metrics use."""
 
 upstream_limits = sa.Table(
     "upstream_limits",
@@ -115,54 +112,6 @@ upstream_waiters = sa.Table(
 
 
 # ---------------------------------------------------------------------------------------------- policy
-
-
-class UpstreamLimits(BaseModel):
-    """One upstream's limits (a setting per upstream, e.g. `REDRIVE_UPSTREAM_LLM='{"max_concurrent": 64}'`).
-
-    Size them under the provider's own limits (docs/operating.md, "Upstream limits"): the limiter
-    counts grants, the provider counts arrivals, and the network between them shifts a few.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_concurrent: int | None = Field(default=None, ge=1, le=10_000)
-    rate_per_second: float | None = Field(default=None, gt=0, le=100_000)
-    lease_seconds: float = Field(default=120.0, gt=0, description="A dead holder's slot comes back after this; "
-                                 "longer than the call's timeout.")
-    retry_share: float | None = Field(default=None, ge=0, le=10, description="Retries may be this share of "
-                                      "calls over the window (0.1 = 10 %); unset: no retry budget.")
-    retry_floor_per_second: float = Field(default=1.0, ge=0)
-    retry_window_seconds: int = Field(default=10, ge=1, le=3600)
-    max_pause_seconds: float = Field(default=300.0, ge=0, description="A Retry-After longer than this is cut.")
-    throttle_retries: int = Field(default=2, ge=0, le=10, description="A 429 is waited out (with every "
-                                  "worker) and sent again this many times before it fails the attempt.")
-
-    @property
-    def active(self) -> bool:
-        return self.max_concurrent is not None or self.rate_per_second is not None or self.retry_share is not None
-
-    def ring(self) -> tuple[int, float]:
-        """(N, window): at most N grants in any window of that many seconds, N / window = the rate."""
-        if self.rate_per_second is None:
-            return 1, 1.0
-        size = max(1, math.floor(self.rate_per_second))
-        return size, size / self.rate_per_second
-
-
-def retry_allowance(calls: int, policy: UpstreamLimits) -> float:
-    """How many retries the window allows: `retry_share` of its calls plus the floor for its length."""
-    share = policy.retry_share or 0.0
-    return share * calls + policy.retry_floor_per_second * policy.retry_window_seconds
-
-
-class RetryDeferred(Exception):  # noqa: N818 - a decision, not an error: the retry waits, no attempt spent
-    """The upstream's retry budget is spent: this retry is not sent; the entity is due again later."""
-
-    def __init__(self, upstream: str, wait: float) -> None:
-        super().__init__(f"retry budget of upstream {upstream!r} exhausted; retry deferred")
-        self.upstream, self.wait = upstream, wait
-
 
 _RETRYING: contextvars.ContextVar[bool] = contextvars.ContextVar("redrive_upstream_retrying", default=False)
 
@@ -391,16 +340,18 @@ class Upstreams:
         while True:
             grant = self.acquire(name, limits)
             try:
-                return fn()
-            except httpx.HTTPStatusError as exc:
-                if exc.response.status_code != 429:
+                result = fn()
+            except Exception as exc:
+                asked = _throttled(exc)
+                if asked is None or not self._wait_out(name, limits, asked, throttled):
                     raise
-                wait = self._pause_for(name, limits, exc.response)
-                if throttled >= limits.throttle_retries or wait > limits.max_pause_seconds:
-                    raise
-                throttled += 1
+            else:
+                asked = _throttled(result)
+                if asked is None or not self._wait_out(name, limits, asked, throttled):
+                    return result
             finally:
                 self._release(grant)
+            throttled += 1
 
     def acquire(self, name: str, limits: UpstreamLimits) -> Grant:
         """Wait (spending no attempt) until `name` grants a slot and a rate token; one round trip a try."""
@@ -445,15 +396,28 @@ class Upstreams:
             log.warning("upstream %s: slot %s not released; it comes back when its lease ends",
                         grant.upstream, grant.slot)
 
-    def _pause_for(self, name: str, limits: UpstreamLimits, response: httpx.Response) -> float:
+    def _wait_out(self, name: str, limits: UpstreamLimits, asked: float | None, throttled: int) -> bool:
+        """Pause `name` for every worker as the provider asked; True when this caller sends again after it."""
         now = self.clock.now()
-        asked = parse_retry_after(response.headers.get("retry-after"), now)
-        wait = min(asked if asked is not None else 1.0, limits.max_pause_seconds)
-
+        wait = min(asked if asked is not None and asked >= 0 else 1.0, limits.max_pause_seconds)
         with self.engine.begin() as conn:
             pause(conn, name, now + timedelta(seconds=wait))
         log.info("upstream %s answered 429: paused for every worker for %.1f s", name, wait)
-        return asked if asked is not None else 1.0
+        return throttled < limits.throttle_retries and (asked or 0.0) <= limits.max_pause_seconds
+
+
+def _throttled(outcome: object) -> float | None:
+    """How long a 429 asked us to wait (`Retry-After`, -1 when it did not say); None when not a 429. Takes a
+    response, an `httpx.HTTPStatusError`, or a classified `RedriveError` (whose failure kept the status)."""
+    response = outcome.response if isinstance(outcome, httpx.HTTPStatusError) else outcome
+    if isinstance(response, httpx.Response):
+        if response.status_code != 429:
+            return None
+        asked = parse_retry_after(response.headers.get("retry-after"), datetime.now(UTC))
+        return asked if asked is not None else -1.0
+    if isinstance(outcome, RedriveError) and outcome.failure.upstream_status == 429:
+        return outcome.failure.retry_after if outcome.failure.retry_after is not None else -1.0
+    return None
 
 
 # ------------------------------------------------------------------------------------- process registry
@@ -468,6 +432,18 @@ def install(upstreams: Upstreams | None) -> None:
 
 
 def installed() -> Upstreams | None:
+    return _INSTALLED
+
+
+def install_once(engine: sa.Engine, limits: Mapping[str, UpstreamLimits], clock: Clock,
+                 on_exhausted: Callable[[str], None] | None) -> Upstreams | None:
+    """Install limits for this process unless the same ones are installed on the same engine already (a
+    run builds its runtime many times); nothing when no upstream is limited."""
+    active = {name: value for name, value in limits.items() if value.active}
+    current = _INSTALLED
+    if current is not None and current.engine is engine and dict(current.limits) == active:
+        return current
+    install(Upstreams(engine, active, clock=clock, on_exhausted=on_exhausted) if active else None)
     return _INSTALLED
 
 
