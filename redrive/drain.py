@@ -28,7 +28,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from redrive import checkpoints, deadletters, logs, observations, upstreams, work
-from redrive.failures import Failure
+from redrive.failures import Code, Failure, classify_exception
 from redrive.reliability import Reliability
 from redrive.sanitize import sanitize_exception, sanitize_text
 from redrive.settle import Verdict, settle
@@ -90,8 +90,11 @@ class Attempt:
         """The stage's checkpoint if it has one; else run it once and checkpoint its output."""
         drain = self.drain
         if checkpoint:
-            with drain.engine.connect() as conn:
-                done = checkpoints.load(conn, drain.pipeline, self.entity_ref, name)
+            def load() -> dict[str, Any] | None:
+                with drain.engine.connect() as conn:
+                    return checkpoints.load(conn, drain.pipeline, self.entity_ref, name)
+
+            done = drain._patiently(load)
             if done is not None:
                 return done
         self.current_stage = name
@@ -102,10 +105,14 @@ class Attempt:
             raise StageError(name, exc, time.perf_counter() - started) from None
         seconds = time.perf_counter() - started
         self.attempts[name] = self.attempts.get(name, 0) + 1
-        with drain.engine.begin() as conn:
-            if checkpoint:
-                checkpoints.save(conn, drain.pipeline, self.entity_ref, name, output)
-            observations.observe(conn, drain.pipeline, name, observations.OK, seconds=seconds)
+
+        def save() -> None:
+            with drain.engine.begin() as conn:
+                if checkpoint:
+                    checkpoints.save(conn, drain.pipeline, self.entity_ref, name, output)
+                observations.observe(conn, drain.pipeline, name, observations.OK, seconds=seconds)
+
+        drain._patiently(save)  # the stage succeeded: an outage now must not turn it into a failed attempt
         return output
 
     def stage_attempts(self, failed_stage: str | None = None) -> dict[str, int]:
@@ -157,6 +164,10 @@ class Drain:
     max_items: int | None = None
     run_id: str | None = None
     sleep: Callable[[float], None] = time.sleep
+    # the database away: settles and claims wait it out this long (real time) before the run gives up
+    outage_patience_seconds: float = 300.0
+    outage_sleep: Callable[[float], None] = time.sleep
+    _lease_ends: dict[int, datetime] = field(default_factory=dict, init=False, repr=False)  # as last written
 
     @property
     def engine(self) -> sa.Engine:
@@ -169,6 +180,7 @@ class Drain:
         report, lock = DrainReport(), threading.Lock()
         started = time.monotonic()
         inflight: dict[Future[None], WorkItem] = {}
+        self._lease_ends.clear()
         stop_heartbeat = threading.Event()
         heartbeat = threading.Thread(target=self._heartbeat, args=(inflight, lock, stop_heartbeat), daemon=True)
         heartbeat.start()
@@ -183,7 +195,9 @@ class Drain:
                         limit = min(free, self.batch_size)
                         if self.max_items is not None:
                             limit = min(limit, self.max_items - report.claimed)
-                        claimed = self._claim(limit, group_key)
+                        with lock:
+                            held = list(inflight.values())
+                        claimed = self._patiently(lambda: self._claim(limit, group_key, held))
                         if claimed:
                             report.batches += 1
                             report.claimed += len(claimed)
@@ -194,12 +208,12 @@ class Drain:
                         done, _ = wait(list(inflight), timeout=1.0, return_when=FIRST_COMPLETED)
                         with lock:
                             for fut in done:
-                                inflight.pop(fut)
+                                self._lease_ends.pop(inflight.pop(fut).id, None)
                                 fut.result()  # _work_one settles everything; a raise here is a bug in it
                         continue
                     if out_of_time or full:
                         break
-                    wait_for = self._until_next_due(group_key)
+                    wait_for = self._patiently(lambda: self._until_next_due(group_key))
                     if wait_for is None or wait_for > self.linger_seconds or \
                             time.monotonic() - started + wait_for > self.max_seconds:
                         break
@@ -212,12 +226,41 @@ class Drain:
 
     # --- claiming and leases ---------------------------------------------------------------------
 
-    def _claim(self, limit: int, group_key: str | None) -> list[WorkItem]:
+    def _claim(self, limit: int, group_key: str | None, held: list[WorkItem] | None = None) -> list[WorkItem]:
+        """Lease due rows. Our own leases that ran out while this process was paused or cut off are extended
+        first, in the same transaction (issue 26 §2): still ours unless another run took them (the epoch
+        decides), so this claim never takes back our own in-flight work and makes its settle a lost lease."""
         if limit <= 0:
             return []
+        now = self.reliability.now()
+        margin = timedelta(seconds=self.lease_seconds / 3)
+        lapsing = [i for i in held or () if self._lease_ends.get(i.id, now) <= now + margin]
         with self.engine.begin() as conn:
-            return work.claim(conn, self.pipeline, owner=self.owner, limit=limit, lease_seconds=self.lease_seconds,
-                              now=self.reliability.now(), group_key=group_key)
+            if lapsing:
+                work.extend(conn, lapsing, lease_seconds=self.lease_seconds, now=now)
+            claimed = work.claim(conn, self.pipeline, owner=self.owner, limit=limit,
+                                 lease_seconds=self.lease_seconds, now=now, group_key=group_key)
+        until = now + timedelta(seconds=self.lease_seconds)
+        for item in [*lapsing, *claimed]:
+            self._lease_ends[item.id] = until
+        return claimed
+
+    def _patiently(self, write: Callable[[], Any]) -> Any:
+        """`write()`, waiting out the database being away (a restart, a failover) up to the patience; a
+        write refused by its fence (LeaseLost) or any other failure is raised at once."""
+        deadline, tries = time.monotonic() + self.outage_patience_seconds, 0
+        while True:
+            try:
+                return write()
+            except LeaseLost:
+                raise
+            except Exception as exc:
+                if classify_exception(exc).core != Code.DB_TRANSIENT or time.monotonic() >= deadline:
+                    raise
+                tries += 1
+                if tries == 1:
+                    log.warning("drain %s: database away; waiting for it before writing on", self.pipeline)
+                self.outage_sleep(min(5.0, 0.05 * 2 ** min(tries, 7)))
 
     def _until_next_due(self, group_key: str | None) -> float | None:
         now = self.reliability.now()
@@ -235,8 +278,11 @@ class Drain:
             if not items:
                 continue
             try:
+                now = self.reliability.now()
                 with self.engine.begin() as conn:
-                    work.extend(conn, items, lease_seconds=self.lease_seconds, now=self.reliability.now())
+                    work.extend(conn, items, lease_seconds=self.lease_seconds, now=now)
+                for item in items:
+                    self._lease_ends[item.id] = now + timedelta(seconds=self.lease_seconds)
             except Exception:  # noqa: BLE001 - a missed extension only risks a reclaim, which fencing makes safe
                 log.warning("drain %s: lease extension failed", self.pipeline)
 
@@ -257,9 +303,9 @@ class Drain:
             seconds = exc.seconds if isinstance(exc, StageError) else None
             try:
                 if isinstance(cause, upstreams.RetryDeferred):
-                    outcome = self._defer_retry(attempt, stage, cause)
+                    outcome = self._patiently(lambda: self._defer_retry(attempt, stage, cause))
                 else:
-                    outcome = self._settle_failure(attempt, stage, cause, seconds)
+                    outcome = self._patiently(lambda: self._settle_failure(attempt, stage, cause, seconds))
             except LeaseLost:
                 outcome = "lease_lost"
             except Exception as settle_exc:  # noqa: BLE001 - the row's lease expires and it is worked again
@@ -268,7 +314,8 @@ class Drain:
                 outcome = "unsettled"
         else:
             try:
-                outcome = self._settle_success(attempt)
+                # what finished is written, waiting out an outage; the epoch decides whether it still counts
+                outcome = self._patiently(lambda: self._settle_success(attempt))
             except LeaseLost:
                 outcome = "lease_lost"
             except Exception as settle_exc:  # noqa: BLE001

@@ -231,3 +231,19 @@ def test_the_drain_defers_a_retry_over_the_budget_without_spending_an_attempt(en
     assert 5 <= (deferred.due_at - clock.now()).total_seconds() <= 15
     assert "retry budget" in deferred.last_error
     assert kinds == ["retry_budget_exhausted"]
+
+
+def test_metrics_show_slots_in_use_and_waiting_per_upstream(engine: sa.Engine) -> None:
+    """The scrape shows the held slot, the waiter and the limit of the upstream."""
+    from redrive import metrics
+
+    clock = FrozenClock(START)
+    worker = limiter(engine, clock, sleep=refuse, max_concurrent=1)
+    worker.acquire("llm", worker.limits["llm"])
+    with pytest.raises(Stuck):
+        worker.acquire("llm", worker.limits["llm"])
+    samples = {(s.name, s.labels.get("upstream")): s.value
+               for family in metrics.registry(engine, clock, []).collect() for s in family.samples}
+    assert samples[("redrive_upstream_slots_in_use", "llm")] == 1
+    assert samples[("redrive_upstream_slots_limit", "llm")] == 1
+    assert samples[("redrive_upstream_waiting", "llm")] == 1
