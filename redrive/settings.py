@@ -94,6 +94,21 @@ class Settings(BaseSettings):
     redrive_upstream_webhooks: UpstreamLimits | None = None
     redrive_upstream_slack: UpstreamLimits | None = None
 
+    # --- drain runs per pipeline (issue 26 §2): JSON maps by pipeline name, e.g.
+    # REDRIVE_DRAIN_IN_FLIGHT='{"criticizer": 64}' REDRIVE_DRAIN_RUNS='{"criticizer": 2}'
+    redrive_drain_in_flight: dict[str, int] = Field(
+        default_factory=dict, description="Entities one drain run works at once, per pipeline (default 8); "
+        "a run config's `concurrency` wins.")
+    redrive_drain_runs: dict[str, int] = Field(
+        default_factory=dict, description="Drain runs of one pipeline at once, per pipeline (default 1); they "
+        "share the queue (SKIP LOCKED, fenced leases). The run queue caps any pipeline at 8.")
+
+    def drain_in_flight(self, pipeline: str) -> int:
+        return max(1, self.redrive_drain_in_flight.get(pipeline, 8))
+
+    def drain_runs(self, pipeline: str) -> int:
+        return max(1, self.redrive_drain_runs.get(pipeline, 1))
+
     def upstream_limits(self) -> dict[str, UpstreamLimits]:
         """The configured upstreams' limits by name (`redrive.upstream_policy.UPSTREAMS`)."""
         found = {name: getattr(self, f"redrive_upstream_{name}") for name in UPSTREAMS}

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import random
 import threading
 import time
 import uuid
@@ -125,6 +126,16 @@ def retrying(flag: bool = True) -> Iterator[None]:
         yield
     finally:
         _RETRYING.reset(token)
+
+
+def wait_before_asking_again(told: float, polls: int, poll: float, roll: float) -> float:
+    """How long a denied caller sleeps: what the database told it (a pause's or the rate window's rest),
+    spread a little so waiters do not all ask at the same instant; for a full upstream (told 0: a slot frees
+    at an unknown time) a poll that doubles from `poll` up to 16× it, so hundreds of waiters cost the
+    database tens of questions a second, not thousands. `roll` is a uniform draw in [0, 1)."""
+    if told > 0:
+        return min(told, 60.0) * (1.0 + 0.1 * roll)
+    return poll * 2 ** min(polls - 1, 4) * (0.5 + 0.5 * roll)
 
 
 # ------------------------------------------------------------------------------------------ repository
@@ -313,6 +324,7 @@ class Upstreams:
     _configured: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     waiting: dict[str, int] = field(default_factory=dict)  # in this process, for a run's own report
+    _jitter: random.Random = field(default_factory=random.Random)
 
     def configure(self) -> None:
         """Write every active upstream's limits (once per process; idempotent across processes)."""
@@ -358,7 +370,7 @@ class Upstreams:
         self.configure()
         holder = uuid.uuid4().hex
         retry = _RETRYING.get()
-        waited = False
+        waited, polls = False, 0
         try:
             while True:
                 with self.engine.begin() as conn:
@@ -380,7 +392,8 @@ class Upstreams:
                     waited = True
                     with self._lock:
                         self.waiting[name] = self.waiting.get(name, 0) + 1
-                self.sleep(min(max(float(row.wait), self.poll_seconds), 1.0))
+                polls += 1
+                self.sleep(wait_before_asking_again(float(row.wait), polls, self.poll_seconds, self._jitter.random()))
         finally:
             if waited:
                 with self._lock:

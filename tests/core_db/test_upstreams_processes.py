@@ -48,7 +48,7 @@ def _holder(db_url: str, held: multiprocessing.Event) -> None:  # type: ignore[t
 def test_four_processes_never_exceed_the_shared_limits(db_url: str, sandbox) -> None:  # type: ignore[no-untyped-def]
     """4 processes × 4 threads, each wanting more than the 3 concurrent the provider accepts: every call
     succeeds, the sandbox never refused one, and its peak concurrency is the limit, not 16."""
-    sandbox.set_profile("llm", latency=0.05, max_concurrent=LIMIT, rate_per_second=45)
+    sandbox.set_profile("llm", latency=0.2, max_concurrent=LIMIT, rate_per_second=45)
     ctx = multiprocessing.get_context("spawn")
     done = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(db_url, sandbox.base_url, 12, 4, done)) for _ in range(4)]
