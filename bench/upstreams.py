@@ -6,7 +6,7 @@
 
 Part 1, the limiter's hot path (`redrive.upstreams`), per call, medians of rotated rounds in one thread:
 a call with no limits (no round trip), one bare `SELECT 1` transaction (the floor of any database round
-trip), and acquire + release with a slot, with a slot and the rate ring, and with the retry budget too.
+trip; BEGIN, SELECT and COMMIT are three), the same in autocommit (one), and acquire + release with a slot, with a slot and the rate ring, and with the retry budget too.
 Wall time and the machine's CPU per call (PostgreSQL's backends included).
 
 Part 2, a drain against the sandbox as the issue's provider: the LLM route answers after a lognormal
@@ -67,9 +67,16 @@ def _contenders(engine: sa.Engine) -> dict[str, Callable[[], None]]:
         with engine.begin() as conn:
             conn.execute(sa.text("SELECT 1"))
 
+    auto = engine.execution_options(isolation_level="AUTOCOMMIT")
+
+    def select_one_autocommit() -> None:
+        with auto.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+
     out: dict[str, Callable[[], None]] = {
         "no limits (straight through)": lambda: bare.call("llm", _noop),
         "one SELECT 1 transaction (floor)": select_one,
+        "one SELECT 1, autocommit (1 round trip)": select_one_autocommit,
     }
     for name, limiter in made.items():
         out[f"acquire + release: {name}"] = (lambda u: lambda: u.call("llm", _noop))(limiter)
