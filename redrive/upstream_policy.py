@@ -13,6 +13,8 @@ __all__ = ["UPSTREAMS", "RetryDeferred", "UpstreamLimits", "retry_allowance"]
 
 UPSTREAMS = ("llm", "artifact_store", "case_api", "mail", "pdf_gateway", "webhooks", "slack")
 """The upstreams our resources call, by the name their settings and metrics use."""
+MAX_RING = 256
+"""Grants one upstream's rate ring remembers (see :meth:`UpstreamLimits.ring`)."""
 
 
 class UpstreamLimits(BaseModel):
@@ -41,10 +43,14 @@ class UpstreamLimits(BaseModel):
         return self.max_concurrent is not None or self.rate_per_second is not None or self.retry_share is not None
 
     def ring(self) -> tuple[int, float]:
-        """(N, window): at most N grants in any window of that many seconds, N / window = the rate."""
+        """(N, window): at most N grants in any window of that many seconds, N / window = the rate.
+
+        N is the rate per second (exact over any 1 s) up to MAX_RING grants; above, the window shrinks
+        below a second, so any second may hold up to the rate plus one window's grants (the ring is one
+        row rewritten on every grant: a few hundred timestamps, not thousands)."""
         if self.rate_per_second is None:
             return 1, 1.0
-        size = max(1, math.floor(self.rate_per_second))
+        size = max(1, min(MAX_RING, math.floor(self.rate_per_second)))
         return size, size / self.rate_per_second
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import random
 import threading
@@ -328,11 +329,7 @@ class Upstreams:
 
     @property
     def _autocommit(self) -> sa.Engine:
-        """The engine's pool without BEGIN/COMMIT around each statement (3 round trips become 1)."""
-        auto = self.__dict__.get("_auto")
-        if auto is None:
-            auto = self.__dict__["_auto"] = self.engine.execution_options(isolation_level="AUTOCOMMIT")
-        return auto
+        return limiter_engine(self.engine.url)
 
     def configure(self) -> None:
         """Write every active upstream's limits (once per process; idempotent across processes)."""
@@ -381,10 +378,9 @@ class Upstreams:
         waited, polls = False, 0
         try:
             while True:
-                with self._autocommit.connect() as conn:  # the function is its own transaction: 1 round trip
-                    row = conn.execute(_ACQUIRE, {"name": name, "holder": holder, "now": self.clock.now(),
-                                                  "lease": limits.lease_seconds, "retry": retry,
-                                                  "waited": waited}).one()
+                row = _once_more_if_dropped(lambda conn: conn.execute(_ACQUIRE, {
+                    "name": name, "holder": holder, "now": self.clock.now(), "lease": limits.lease_seconds,
+                    "retry": retry, "waited": waited}).one(), self._autocommit)
                 if row.slot is not None:
                     if retry:
                         _RETRYING.set(False)  # the entity's next calls are not retries
@@ -411,8 +407,8 @@ class Upstreams:
         if grant.slot <= 0:
             return
         try:
-            with self._autocommit.connect() as conn:
-                release(conn, grant.upstream, grant.slot, grant.holder)
+            _once_more_if_dropped(lambda conn: release(conn, grant.upstream, grant.slot, grant.holder),
+                                  self._autocommit)
         except Exception:  # noqa: BLE001 - the slot's lease ends and it comes back by itself
             log.warning("upstream %s: slot %s not released; it comes back when its lease ends",
                         grant.upstream, grant.slot)
@@ -439,6 +435,26 @@ def _throttled(outcome: object) -> float | None:
     if isinstance(outcome, RedriveError) and outcome.failure.upstream_status == 429:
         return outcome.failure.retry_after if outcome.failure.retry_after is not None else -1.0
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def limiter_engine(url: sa.URL) -> sa.Engine:
+    """The limiter's own pool on the database: autocommit (the acquire function is its own transaction, so a
+    call is one round trip, not BEGIN, call, COMMIT), no pre-ping (another round trip per checkout: a
+    connection the server dropped fails once and is retried), and room for every thread of a drain."""
+    return sa.create_engine(url, isolation_level="AUTOCOMMIT", pool_pre_ping=False, pool_size=4, max_overflow=96)
+
+
+def _once_more_if_dropped(statement: Callable[[sa.Connection], T], engine: sa.Engine) -> T:
+    """Run `statement` on a pooled connection; once more on a fresh one if the server had dropped it."""
+    for tries in (1, 2):
+        try:
+            with engine.connect() as conn:
+                return statement(conn)
+        except sa.exc.DBAPIError as exc:
+            if tries == 2 or not exc.connection_invalidated:
+                raise
+    raise AssertionError("unreachable")
 
 
 # ------------------------------------------------------------------------------------- process registry
