@@ -47,7 +47,7 @@ ENTITIES = int(os.environ.get("BENCH_UPSTREAMS_ENTITIES", "1000"))
 LLM_P50, LLM_P99, LLM_CONCURRENT, LLM_RATE = 1.0, 4.0, 64, 50
 # the limiter's own setting for the LLM: the provider's concurrency, its rate a few percent under (the
 # limiter counts grants, the provider arrivals; docs/operating.md "Upstream limits")
-LIMITS = UpstreamLimits(max_concurrent=LLM_CONCURRENT, rate_per_second=LLM_RATE * 0.96, lease_seconds=60)
+LIMITS = UpstreamLimits(max_concurrent=LLM_CONCURRENT, rate_per_second=LLM_RATE * float(os.environ.get("BENCH_UPSTREAMS_RATE_SHARE", "0.9")), lease_seconds=60)
 
 
 # ------------------------------------------------------------------------------------------ limiter
@@ -214,7 +214,7 @@ def drain_part(processes: tuple[int, ...] = (1, 2, 4)) -> list[dict[str, Any]]:
               f"{rate / allowed:4.2f} of allowed; sandbox peak {meter['peak_concurrency']} concurrent, "
               f"{meter['peak_rate_per_second']} in 1 s; refused {meter['limited']}; "
               f"machine CPU {row['cpu_ms_per_entity']:.1f} ms/entity", flush=True)
-    print("  what caps it: the provider's rate (50/s; the limiter grants 48/s) — concurrency ÷ latency "
+    print(f"  what caps it: the provider's rate ({LLM_RATE}/s; the limiter grants {LIMITS.rate_per_second:.0f}/s) — concurrency ÷ latency "
           f"({LLM_CONCURRENT / mean_lognormal(LLM_P50, LLM_P99):.1f}/s) is above it")
     return rows
 

@@ -37,7 +37,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import TypeVar
 
 import httpx
@@ -149,22 +149,24 @@ LANGUAGE plpgsql AS $fn$
 DECLARE
     lim upstream_limits%ROWTYPE;
     s integer := 0;
-    sec bigint := floor(extract(epoch FROM p_now));
+    sec bigint;
     n_calls bigint;
     n_retries bigint;
     oldest timestamptz;
     fresh boolean := false;
+    v_now timestamptz := coalesce(p_now, clock_timestamp());  -- NULL: the database's clock, one for all machines
 BEGIN
+    sec := floor(extract(epoch FROM v_now));
     SELECT * INTO lim FROM upstream_limits l WHERE l.name = p_name;
     IF NOT FOUND THEN
         RETURN QUERY SELECT 0, 0.0::float8, 'unlimited'::text, false;
         RETURN;
     END IF;
     -- a provider's Retry-After holds every worker
-    IF lim.paused_until IS NOT NULL AND lim.paused_until > p_now THEN
+    IF lim.paused_until IS NOT NULL AND lim.paused_until > v_now THEN
         INSERT INTO upstream_waiters AS w VALUES (p_name, p_holder, lim.paused_until + interval '30 seconds')
             ON CONFLICT (upstream, waiter) DO UPDATE SET until = excluded.until;
-        RETURN QUERY SELECT NULL::integer, extract(epoch FROM lim.paused_until - p_now)::float8, 'paused'::text, false;
+        RETURN QUERY SELECT NULL::integer, extract(epoch FROM lim.paused_until - v_now)::float8, 'paused'::text, false;
         RETURN;
     END IF;
     -- the retry budget: retries <= share * calls + floor * window over the sliding window
@@ -173,11 +175,11 @@ BEGIN
           FROM upstream_calls c WHERE c.upstream = p_name AND c.second > sec - lim.retry_window_seconds;
         IF n_retries + 1 > lim.retry_share * n_calls + lim.retry_floor_per_second * lim.retry_window_seconds THEN
             SELECT l.budget_last_denied_at IS NULL
-                   OR l.budget_last_denied_at < p_now - make_interval(secs => l.retry_window_seconds)
+                   OR l.budget_last_denied_at < v_now - make_interval(secs => l.retry_window_seconds)
               INTO fresh FROM upstream_limits l WHERE l.name = p_name FOR UPDATE;
             UPDATE upstream_limits l SET retries_denied = l.retries_denied + 1,
                    budget_episodes = l.budget_episodes + CASE WHEN fresh THEN 1 ELSE 0 END,
-                   budget_last_denied_at = greatest(coalesce(l.budget_last_denied_at, p_now), p_now)
+                   budget_last_denied_at = greatest(coalesce(l.budget_last_denied_at, v_now), v_now)
              WHERE l.name = p_name;
             RETURN QUERY SELECT NULL::integer, lim.retry_window_seconds::float8, 'retry_budget'::text, fresh;
             RETURN;
@@ -187,10 +189,10 @@ BEGIN
     IF lim.max_concurrent IS NOT NULL THEN
         SELECT us.slot INTO s FROM upstream_slots us
          WHERE us.upstream = p_name AND us.slot <= lim.max_concurrent
-           AND (us.lease_until IS NULL OR us.lease_until <= p_now)
+           AND (us.lease_until IS NULL OR us.lease_until <= v_now)
          ORDER BY us.slot LIMIT 1 FOR UPDATE SKIP LOCKED;
         IF s IS NULL THEN
-            INSERT INTO upstream_waiters AS w VALUES (p_name, p_holder, p_now + interval '30 seconds')
+            INSERT INTO upstream_waiters AS w VALUES (p_name, p_holder, v_now + interval '30 seconds')
                 ON CONFLICT (upstream, waiter) DO UPDATE SET until = excluded.until;
             RETURN QUERY SELECT NULL::integer, 0.0::float8, 'concurrency'::text, false;
             RETURN;
@@ -199,19 +201,19 @@ BEGIN
     -- the rate: the N-th newest grant must be older than the window
     IF lim.rate_per_second IS NOT NULL THEN
         SELECT l.ring[l.ring_pos] INTO oldest FROM upstream_limits l WHERE l.name = p_name FOR UPDATE;
-        IF oldest IS NOT NULL AND oldest > p_now - make_interval(secs => lim.rate_window_seconds) THEN
-            INSERT INTO upstream_waiters AS w VALUES (p_name, p_holder, p_now + interval '30 seconds')
+        IF oldest IS NOT NULL AND oldest > v_now - make_interval(secs => lim.rate_window_seconds) THEN
+            INSERT INTO upstream_waiters AS w VALUES (p_name, p_holder, v_now + interval '30 seconds')
                 ON CONFLICT (upstream, waiter) DO UPDATE SET until = excluded.until;
             RETURN QUERY SELECT NULL::integer,
-                extract(epoch FROM oldest + make_interval(secs => lim.rate_window_seconds) - p_now)::float8,
+                extract(epoch FROM oldest + make_interval(secs => lim.rate_window_seconds) - v_now)::float8,
                 'rate'::text, false;
             RETURN;
         END IF;
-        UPDATE upstream_limits l SET ring[l.ring_pos] = p_now, ring_pos = l.ring_pos % l.ring_size + 1
+        UPDATE upstream_limits l SET ring[l.ring_pos] = v_now, ring_pos = l.ring_pos % l.ring_size + 1
          WHERE l.name = p_name;
     END IF;
     IF s > 0 THEN
-        UPDATE upstream_slots us SET holder = p_holder, lease_until = p_now + make_interval(secs => p_lease)
+        UPDATE upstream_slots us SET holder = p_holder, lease_until = v_now + make_interval(secs => p_lease)
          WHERE us.upstream = p_name AND us.slot = s;
     END IF;
     IF lim.retry_share IS NOT NULL THEN
@@ -263,8 +265,11 @@ def release(conn: sa.Connection, name: str, slot: int, holder: str) -> bool:
     ).values(holder=None, lease_until=None)).rowcount == 1
 
 
-def pause(conn: sa.Connection, name: str, until: datetime) -> None:
-    """Hold the upstream for every worker until `until` (a longer pause already set stays)."""
+def pause(conn: sa.Connection, name: str, now: datetime | None, seconds: float) -> None:
+    """Hold the upstream for every worker for `seconds` from `now` (None: the database's clock); a longer
+    pause already set stays."""
+    start = sa.func.clock_timestamp() if now is None else sa.literal(now, TZ)
+    until = start + sa.func.make_interval(0, 0, 0, 0, 0, 0, sa.cast(seconds, sa.Float))
     conn.execute(sa.update(upstream_limits).where(upstream_limits.c.name == name).values(
         paused_until=sa.func.greatest(sa.func.coalesce(upstream_limits.c.paused_until, until), until),
         pauses=upstream_limits.c.pauses + 1))
@@ -327,6 +332,13 @@ class Upstreams:
     waiting: dict[str, int] = field(default_factory=dict)  # in this process, for a run's own report
     _jitter: random.Random = field(default_factory=random.Random)
 
+    def _now(self) -> datetime | None:
+        """The time leases, the rate window and pauses are written in: the database's own clock (None) for
+        the system clock, so every machine measures against one clock, grants are stamped when they are
+        granted (not when the caller read its clock, possibly a thread switch earlier); an injected
+        clock's time otherwise (tests)."""
+        return None if isinstance(self.clock, SystemClock) else self.clock.now()
+
     @property
     def _autocommit(self) -> sa.Engine:
         return limiter_engine(self.engine.url)
@@ -379,7 +391,7 @@ class Upstreams:
         try:
             while True:
                 row = _once_more_if_dropped(lambda conn: conn.execute(_ACQUIRE, {
-                    "name": name, "holder": holder, "now": self.clock.now(), "lease": limits.lease_seconds,
+                    "name": name, "holder": holder, "now": self._now(), "lease": limits.lease_seconds,
                     "retry": retry, "waited": waited}).one(), self._autocommit)
                 if row.slot is not None:
                     if retry:
@@ -415,10 +427,9 @@ class Upstreams:
 
     def _wait_out(self, name: str, limits: UpstreamLimits, asked: float | None, throttled: int) -> bool:
         """Pause `name` for every worker as the provider asked; True when this caller sends again after it."""
-        now = self.clock.now()
         wait = min(asked if asked is not None and asked >= 0 else 1.0, limits.max_pause_seconds)
         with self.engine.begin() as conn:
-            pause(conn, name, now + timedelta(seconds=wait))
+            pause(conn, name, self._now(), wait)
         log.info("upstream %s answered 429: paused for every worker for %.1f s", name, wait)
         return throttled < limits.throttle_retries and (asked or 0.0) <= limits.max_pause_seconds
 
@@ -442,7 +453,10 @@ def limiter_engine(url: sa.URL) -> sa.Engine:
     """The limiter's own pool on the database: autocommit (the acquire function is its own transaction, so a
     call is one round trip, not BEGIN, call, COMMIT), no pre-ping (another round trip per checkout: a
     connection the server dropped fails once and is retried), and room for every thread of a drain."""
-    return sa.create_engine(url, isolation_level="AUTOCOMMIT", pool_pre_ping=False, pool_size=4, max_overflow=96)
+    # synchronous_commit off: a slot taken or given back is not worth a WAL flush each; a crash forgets at most
+    # the last few ms of them, and leases and the rate window heal from that on their own
+    return sa.create_engine(url, isolation_level="AUTOCOMMIT", pool_pre_ping=False, pool_size=4, max_overflow=96,
+                            connect_args={"options": "-c synchronous_commit=off"})
 
 
 def _once_more_if_dropped(statement: Callable[[sa.Connection], T], engine: sa.Engine) -> T:
