@@ -5,16 +5,12 @@ Kept apart from `redrive.upstreams` so `redrive.settings` can type one setting p
 
 from __future__ import annotations
 
-import math
-
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["UPSTREAMS", "RetryDeferred", "UpstreamLimits", "retry_allowance"]
 
 UPSTREAMS = ("llm", "artifact_store", "case_api", "mail", "pdf_gateway", "webhooks", "slack")
 """The upstreams our resources call, by the name their settings and metrics use."""
-MAX_RING = 256
-"""Grants one upstream's rate ring remembers (see :meth:`UpstreamLimits.ring`)."""
 
 
 class UpstreamLimits(BaseModel):
@@ -28,6 +24,8 @@ class UpstreamLimits(BaseModel):
 
     max_concurrent: int | None = Field(default=None, ge=1, le=10_000)
     rate_per_second: float | None = Field(default=None, gt=0, le=100_000)
+    rate_burst: int = Field(default=1, ge=1, le=10_000, description="Grants that may come at once; any window of "
+                            "W seconds holds at most rate_per_second·W + rate_burst - 1.")
     lease_seconds: float = Field(default=120.0, gt=0, description="A dead holder's slot comes back after this; "
                                  "longer than the call's timeout.")
     retry_share: float | None = Field(default=None, ge=0, le=10, description="Retries may be this share of "
@@ -41,18 +39,6 @@ class UpstreamLimits(BaseModel):
     @property
     def active(self) -> bool:
         return self.max_concurrent is not None or self.rate_per_second is not None or self.retry_share is not None
-
-    def ring(self) -> tuple[int, float]:
-        """(N, window): at most N grants in any window of that many seconds, N / window = the rate.
-
-        N is the rate per second (exact over any 1 s) up to MAX_RING grants; above, the window shrinks
-        below a second, so any second may hold up to the rate plus one window's grants (the ring is one
-        row rewritten on every grant: a few hundred timestamps, not thousands)."""
-        if self.rate_per_second is None:
-            return 1, 1.0
-        size = max(1, min(MAX_RING, math.floor(self.rate_per_second)))
-        return size, size / self.rate_per_second
-
 
 def retry_allowance(calls: int, policy: UpstreamLimits) -> float:
     """How many retries the window allows: `retry_share` of its calls plus the floor for its length."""

@@ -5,9 +5,11 @@ the caps live in the system of record and every process that calls the upstream 
 
 - **Concurrency slots with leases.** `upstream_slots` holds one row per slot; a call holds one for its
   duration. A holder that dies (SIGKILL, lost machine) gives its slot back when the lease ends.
-- **Requests per second.** A ring of the last N grant times on the upstream's row (`upstream_limits`):
-  a grant is allowed when the N-th newest is older than the window, so no window of that length ever
-  holds more than N grants (exact, unlike a token bucket whose burst adds to its rate).
+- **Requests per second.** GCRA on the upstream's row (`upstream_limits.tat`): grants are spaced 1/rate
+  apart (`rate_burst` may come at once), so any window of W seconds holds at most rate·W + burst grants
+  (at most rate per any 1 s with the default burst of 1, counted half-open). Spaced, not N at once and
+  then N more a second later: jitter between a grant and the provider's arrival moves few requests
+  across the provider's window.
 - **Retry-After is news for everyone.** A 429 pauses the upstream (`paused_until`) for every worker.
 - **A retry budget** (Finagle's RetryBudget shape): a retry is sent only while retries over the last
   `retry_window_seconds` stay within `retry_share` of all calls plus `retry_floor_per_second` per
@@ -42,7 +44,7 @@ from typing import TypeVar
 
 import httpx
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import ARRAY, insert
+from sqlalchemy.dialects.postgresql import insert
 
 from redrive.clock import Clock, SystemClock
 from redrive.failures import RedriveError, parse_retry_after
@@ -71,10 +73,8 @@ upstream_limits = sa.Table(
     sa.Column("name", sa.Text, primary_key=True),
     sa.Column("max_concurrent", sa.Integer),
     sa.Column("rate_per_second", sa.Float),
-    sa.Column("ring_size", sa.Integer, nullable=False, server_default="1"),
-    sa.Column("rate_window_seconds", sa.Float, nullable=False, server_default="1"),
-    sa.Column("ring", ARRAY(TZ), nullable=False, server_default=sa.text("'{}'")),
-    sa.Column("ring_pos", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("rate_burst", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("tat", TZ),  # GCRA's theoretical arrival time: the next grant is due then (less the burst)
     sa.Column("paused_until", TZ),
     sa.Column("pauses", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("retry_share", sa.Float),
@@ -152,7 +152,9 @@ DECLARE
     sec bigint;
     n_calls bigint;
     n_retries bigint;
-    oldest timestamptz;
+    t timestamptz;
+    due timestamptz;
+    spacing double precision;
     fresh boolean := false;
     v_now timestamptz := coalesce(p_now, clock_timestamp());  -- NULL: the database's clock, one for all machines
 BEGIN
@@ -198,18 +200,18 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    -- the rate: the N-th newest grant must be older than the window
+    -- the rate (GCRA): grants spaced 1/rate apart, `rate_burst` of them may come at once
     IF lim.rate_per_second IS NOT NULL THEN
-        SELECT l.ring[l.ring_pos] INTO oldest FROM upstream_limits l WHERE l.name = p_name FOR UPDATE;
-        IF oldest IS NOT NULL AND oldest > v_now - make_interval(secs => lim.rate_window_seconds) THEN
+        spacing := 1.0 / lim.rate_per_second;
+        SELECT l.tat INTO t FROM upstream_limits l WHERE l.name = p_name FOR UPDATE;
+        due := coalesce(t, v_now) - make_interval(secs => (lim.rate_burst - 1) * spacing);
+        IF v_now < due THEN
             INSERT INTO upstream_waiters AS w VALUES (p_name, p_holder, v_now + interval '30 seconds')
                 ON CONFLICT (upstream, waiter) DO UPDATE SET until = excluded.until;
-            RETURN QUERY SELECT NULL::integer,
-                extract(epoch FROM oldest + make_interval(secs => lim.rate_window_seconds) - v_now)::float8,
-                'rate'::text, false;
+            RETURN QUERY SELECT NULL::integer, extract(epoch FROM due - v_now)::float8, 'rate'::text, false;
             RETURN;
         END IF;
-        UPDATE upstream_limits l SET ring[l.ring_pos] = v_now, ring_pos = l.ring_pos % l.ring_size + 1
+        UPDATE upstream_limits l SET tat = greatest(coalesce(t, v_now), v_now) + make_interval(secs => spacing)
          WHERE l.name = p_name;
     END IF;
     IF s > 0 THEN
@@ -237,18 +239,13 @@ _ACQUIRE = sa.text("SELECT slot, wait, reason, new_episode FROM "
 
 
 def configure(conn: sa.Connection, name: str, limits: UpstreamLimits, now: datetime) -> None:
-    """Write the upstream's limits and its slot rows (idempotent; a changed rate starts a fresh ring)."""
-    size, window = limits.ring()
+    """Write the upstream's limits and its slot rows (idempotent)."""
     values = {"max_concurrent": limits.max_concurrent, "rate_per_second": limits.rate_per_second,
-              "ring_size": size, "rate_window_seconds": window, "retry_share": limits.retry_share,
+              "rate_burst": limits.rate_burst, "retry_share": limits.retry_share,
               "retry_floor_per_second": limits.retry_floor_per_second,
               "retry_window_seconds": limits.retry_window_seconds, "updated_at": now}
     stmt = insert(upstream_limits).values(name=name, **values)
-    conn.execute(stmt.on_conflict_do_update(index_elements=["name"], set_={
-        **values,
-        "ring": sa.case((upstream_limits.c.ring_size == size, upstream_limits.c.ring), else_=sa.text("'{}'")),
-        "ring_pos": sa.case((upstream_limits.c.ring_size == size, upstream_limits.c.ring_pos), else_=1),
-    }))
+    conn.execute(stmt.on_conflict_do_update(index_elements=["name"], set_=values))
     if limits.max_concurrent:
         conn.execute(sa.text(
             "INSERT INTO upstream_slots (upstream, slot) SELECT :name, generate_series(1, :n) "

@@ -1,4 +1,4 @@
-"""upstream limits (core): concurrency slots with leases, a rate ring, Retry-After pauses and a retry budget
+"""upstream limits (core): concurrency slots with leases, a GCRA rate, Retry-After pauses and a retry budget
 per upstream, shared by every process (issue 26), and the one-round-trip acquire function
 
 Revision ID: 0010
@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
-from sqlalchemy.dialects import postgresql
 
 from redrive.upstreams import ACQUIRE_FUNCTION
 
@@ -27,10 +26,8 @@ def upgrade() -> None:
     sa.Column('name', sa.Text(), nullable=False),
     sa.Column('max_concurrent', sa.Integer(), nullable=True),
     sa.Column('rate_per_second', sa.Float(), nullable=True),
-    sa.Column('ring_size', sa.Integer(), server_default='1', nullable=False),
-    sa.Column('rate_window_seconds', sa.Float(), server_default='1', nullable=False),
-    sa.Column('ring', postgresql.ARRAY(sa.DateTime(timezone=True)), server_default=sa.text("'{}'"), nullable=False),
-    sa.Column('ring_pos', sa.Integer(), server_default='1', nullable=False),
+    sa.Column('rate_burst', sa.Integer(), server_default='1', nullable=False),
+    sa.Column('tat', sa.DateTime(timezone=True), nullable=True),
     sa.Column('paused_until', sa.DateTime(timezone=True), nullable=True),
     sa.Column('pauses', sa.BigInteger(), server_default='0', nullable=False),
     sa.Column('retry_share', sa.Float(), nullable=True),

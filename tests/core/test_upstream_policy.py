@@ -31,16 +31,6 @@ def test_a_typo_in_an_upstream_setting_is_refused(monkeypatch: pytest.MonkeyPatc
         Settings()
 
 
-@pytest.mark.parametrize(("rate", "ring"), [(50, (50, 1.0)), (45.5, (45, 45 / 45.5)), (0.5, (1, 2.0)), (1, (1, 1.0)),
-                                            (1000, (256, 0.256))])
-def test_the_rate_ring_holds_n_grants_per_window_of_n_over_rate_seconds(rate: float, ring: tuple[int, float]) -> None:
-    """N = floor(rate) grants (at least 1, at most 256) per window of N ÷ rate seconds: the rate, no burst above
-    it (above 256/s, at most one window's grants more in a second)."""
-    size, window = UpstreamLimits(rate_per_second=rate).ring()
-    assert size == ring[0] and window == pytest.approx(ring[1])
-    assert size / window == pytest.approx(rate)
-
-
 @given(told=st.floats(0, 600), polls=st.integers(1, 1000), roll=st.floats(0, 0.999))
 def test_a_waiter_sleeps_what_it_was_told_or_a_bounded_backing_off_poll(told: float, polls: int, roll: float) -> None:
     """A told wait is kept (a little longer, at most a minute at a time); a poll stays within [poll/2, 16 poll]."""
