@@ -47,7 +47,8 @@ ENTITIES = int(os.environ.get("BENCH_UPSTREAMS_ENTITIES", "1000"))
 LLM_P50, LLM_P99, LLM_CONCURRENT, LLM_RATE = 1.0, 4.0, 64, 50
 # the limiter's own setting for the LLM: the provider's concurrency, its rate a few percent under (the
 # limiter counts grants, the provider arrivals; docs/operating.md "Upstream limits")
-LIMITS = UpstreamLimits(max_concurrent=LLM_CONCURRENT, rate_per_second=LLM_RATE * float(os.environ.get("BENCH_UPSTREAMS_RATE_SHARE", "0.9")), lease_seconds=60)
+RATE_SHARE = float(os.environ.get("BENCH_UPSTREAMS_RATE_SHARE", "0.9"))
+LIMITS = UpstreamLimits(max_concurrent=LLM_CONCURRENT, rate_per_second=LLM_RATE * RATE_SHARE, lease_seconds=60)
 
 
 # ------------------------------------------------------------------------------------------ limiter
@@ -167,7 +168,8 @@ def mean_lognormal(p50: float, p99: float) -> float:
     return p50 * math.exp(sigma * sigma / 2)
 
 
-def drain_part(processes: tuple[int, ...] = (1, 2, 4)) -> list[dict[str, Any]]:
+def drain_part(processes: tuple[int, ...] = tuple(int(n) for n in os.environ.get(
+        "BENCH_UPSTREAMS_PROCESSES", "1,2,4").split(","))) -> list[dict[str, Any]]:
     sandbox = SandboxClient(os.environ["SANDBOX_URL"], timeout=30)
     allowed = min(LLM_CONCURRENT / mean_lognormal(LLM_P50, LLM_P99), LLM_RATE)
     rows = []
@@ -204,6 +206,10 @@ def drain_part(processes: tuple[int, ...] = (1, 2, 4)) -> list[dict[str, Any]]:
         span = (datetime.fromisoformat(stamps[-1]) - datetime.fromisoformat(stamps[0])).total_seconds()
         rate = (len(calls) - 1) / span if span > 0 else float("nan")
         meter = sandbox.meters("llm")
+        reasons: dict[str, int] = {}
+        for record in sandbox.requests("llm"):
+            if record["step"].startswith("limited:"):
+                reasons[record["step"]] = reasons.get(record["step"], 0) + 1
         row = {"processes": n, "in_flight_per_process": per_process, "done": done, "llm_calls": len(calls),
                "entities_per_s": rate, "ratio_to_allowed": rate / allowed, "peak_concurrency":
                meter["peak_concurrency"], "peak_rate": meter["peak_rate_per_second"],
@@ -212,7 +218,7 @@ def drain_part(processes: tuple[int, ...] = (1, 2, 4)) -> list[dict[str, Any]]:
         rows.append(row)
         print(f"  {n} process(es) × {per_process} in flight: {done}/{ENTITIES} done, {rate:5.1f} entities/s = "
               f"{rate / allowed:4.2f} of allowed; sandbox peak {meter['peak_concurrency']} concurrent, "
-              f"{meter['peak_rate_per_second']} in 1 s; refused {meter['limited']}; "
+              f"{meter['peak_rate_per_second']} in 1 s; refused {meter['limited']} {reasons or ''}; "
               f"machine CPU {row['cpu_ms_per_entity']:.1f} ms/entity", flush=True)
     print(f"  what caps it: the provider's rate ({LLM_RATE}/s; the limiter grants {LIMITS.rate_per_second:.0f}/s) — concurrency ÷ latency "
           f"({LLM_CONCURRENT / mean_lognormal(LLM_P50, LLM_P99):.1f}/s) is above it")
