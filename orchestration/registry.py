@@ -73,7 +73,8 @@ PIPELINES: tuple[Pipeline, ...] = (
 )
 
 # Core modules with tables of their own besides redrive.schema.
-CORE_SCHEMAS: tuple[str, ...] = ("redrive.schema", "redrive.breaker", "redrive.observations", "redrive.counters")
+CORE_SCHEMAS: tuple[str, ...] = ("redrive.schema", "redrive.breaker", "redrive.observations", "redrive.counters",
+                                 "redrive.upstreams")
 
 
 def selected(names: Iterable[str] | None = None) -> tuple[Pipeline, ...]:

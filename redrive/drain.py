@@ -22,13 +22,13 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 
-from redrive import checkpoints, deadletters, liveness, logs, observations, work
-from redrive.failures import Failure
+from redrive import checkpoints, deadletters, liveness, logs, observations, upstreams, work
+from redrive.failures import Code, Failure, classify_exception
 from redrive.reliability import Reliability
 from redrive.sanitize import sanitize_exception, sanitize_text
 from redrive.settle import Verdict, settle
@@ -99,8 +99,11 @@ class Attempt:
         ``retry_error_class`` when the handler sets one."""
         drain = self.drain
         if checkpoint:
-            with drain.engine.connect() as conn:
-                done = checkpoints.load(conn, drain.pipeline, self.entity_ref, name)
+            def load() -> dict[str, Any] | None:
+                with drain.engine.connect() as conn:
+                    return checkpoints.load(conn, drain.pipeline, self.entity_ref, name)
+
+            done = drain._patiently(load)
             if done is not None:
                 return done
         self.current_stage = name
@@ -114,11 +117,14 @@ class Attempt:
         if not observe:
             self.unobserved = (name, seconds)
         if checkpoint or observe:
-            with drain.engine.begin() as conn:
-                if checkpoint:
-                    checkpoints.save(conn, drain.pipeline, self.entity_ref, name, output)
-                if observe:
-                    observations.observe(conn, drain.pipeline, name, observations.OK, seconds=seconds)
+            def save() -> None:
+                with drain.engine.begin() as conn:
+                    if checkpoint:
+                        checkpoints.save(conn, drain.pipeline, self.entity_ref, name, output)
+                    if observe:
+                        observations.observe(conn, drain.pipeline, name, observations.OK, seconds=seconds)
+
+            drain._patiently(save)  # the stage succeeded: an outage now must not turn it into a failed attempt
         return output
 
     def observe_settled(self, conn: sa.Connection) -> None:
@@ -150,6 +156,7 @@ class DrainReport:
     retried: int = 0
     dead_lettered: int = 0
     lease_lost: int = 0
+    deferred: int = 0  # retries an upstream's retry budget held back: due later, no attempt spent
     batches: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)  # failed attempts by error class
@@ -160,7 +167,8 @@ class DrainReport:
 
     def as_metadata(self) -> dict[str, int]:
         return {"claimed": self.claimed, "done": self.done, "retried": self.retried,
-                "dead_lettered": self.dead_lettered, "lease_lost": self.lease_lost, "batches": self.batches}
+                "dead_lettered": self.dead_lettered, "lease_lost": self.lease_lost, "deferred": self.deferred,
+                "batches": self.batches}
 
 
 @dataclass
@@ -179,6 +187,10 @@ class Drain:
     max_items: int | None = None
     run_id: str | None = None
     sleep: Callable[[float], None] = time.sleep
+    # the database away: settles and claims wait it out this long (real time) before the run gives up
+    outage_patience_seconds: float = 300.0
+    outage_sleep: Callable[[float], None] = time.sleep
+    _lease_ends: dict[int, datetime] = field(default_factory=dict, init=False, repr=False)  # as last written
 
     @property
     def engine(self) -> sa.Engine:
@@ -191,6 +203,7 @@ class Drain:
         report, lock = DrainReport(), threading.Lock()
         started = time.monotonic()
         inflight: dict[Future[None], WorkItem] = {}
+        self._lease_ends.clear()
         stop_heartbeat = threading.Event()
         heartbeat = threading.Thread(target=self._heartbeat, args=(inflight, lock, stop_heartbeat), daemon=True)
         heartbeat.start()
@@ -206,7 +219,9 @@ class Drain:
                         limit = min(free, self.batch_size)
                         if self.max_items is not None:
                             limit = min(limit, self.max_items - report.claimed)
-                        claimed = self._claim(limit, group_key)
+                        with lock:
+                            held = list(inflight.values())
+                        claimed = self._patiently(lambda: self._claim(limit, group_key, held))
                         if claimed:
                             report.batches += 1
                             report.claimed += len(claimed)
@@ -217,12 +232,12 @@ class Drain:
                         done, _ = wait(list(inflight), timeout=1.0, return_when=FIRST_COMPLETED)
                         with lock:
                             for fut in done:
-                                inflight.pop(fut)
+                                self._lease_ends.pop(inflight.pop(fut).id, None)
                                 fut.result()  # _work_one settles everything; a raise here is a bug in it
                         continue
                     if out_of_time or full:
                         break
-                    wait_for = self._until_next_due(group_key)
+                    wait_for = self._patiently(lambda: self._until_next_due(group_key))
                     if wait_for is None or wait_for > self.linger_seconds or \
                             time.monotonic() - started + wait_for > self.max_seconds:
                         break
@@ -235,12 +250,41 @@ class Drain:
 
     # --- claiming and leases ---------------------------------------------------------------------
 
-    def _claim(self, limit: int, group_key: str | None) -> list[WorkItem]:
+    def _claim(self, limit: int, group_key: str | None, held: list[WorkItem] | None = None) -> list[WorkItem]:
+        """Lease due rows. Our own leases that ran out while this process was paused or cut off are extended
+        first, in the same transaction (issue 26 §2): still ours unless another run took them (the epoch
+        decides), so this claim never takes back our own in-flight work and makes its settle a lost lease."""
         if limit <= 0:
             return []
+        now = self.reliability.now()
+        margin = timedelta(seconds=self.lease_seconds / 3)
+        lapsing = [i for i in held or () if self._lease_ends.get(i.id, now) <= now + margin]
         with self.engine.begin() as conn:
-            return work.claim(conn, self.pipeline, owner=self.owner, limit=limit, lease_seconds=self.lease_seconds,
-                              now=self.reliability.now(), group_key=group_key)
+            if lapsing:
+                work.extend(conn, lapsing, lease_seconds=self.lease_seconds, now=now)
+            claimed = work.claim(conn, self.pipeline, owner=self.owner, limit=limit,
+                                 lease_seconds=self.lease_seconds, now=now, group_key=group_key)
+        until = now + timedelta(seconds=self.lease_seconds)
+        for item in [*lapsing, *claimed]:
+            self._lease_ends[item.id] = until
+        return claimed
+
+    def _patiently(self, write: Callable[[], Any]) -> Any:
+        """`write()`, waiting out the database being away (a restart, a failover) up to the patience; a
+        write refused by its fence (LeaseLost) or any other failure is raised at once."""
+        deadline, tries = time.monotonic() + self.outage_patience_seconds, 0
+        while True:
+            try:
+                return write()
+            except LeaseLost:
+                raise
+            except Exception as exc:
+                if classify_exception(exc).core != Code.DB_TRANSIENT or time.monotonic() >= deadline:
+                    raise
+                tries += 1
+                if tries == 1:
+                    log.warning("drain %s: database away; waiting for it before writing on", self.pipeline)
+                self.outage_sleep(min(5.0, 0.05 * 2 ** min(tries, 7)))
 
     def _until_next_due(self, group_key: str | None) -> float | None:
         now = self.reliability.now()
@@ -258,8 +302,11 @@ class Drain:
             if not items:
                 continue
             try:
+                now = self.reliability.now()
                 with self.engine.begin() as conn:
-                    work.extend(conn, items, lease_seconds=self.lease_seconds, now=self.reliability.now())
+                    work.extend(conn, items, lease_seconds=self.lease_seconds, now=now)
+                for item in items:
+                    self._lease_ends[item.id] = now + timedelta(seconds=self.lease_seconds)
             except Exception:  # noqa: BLE001 - a missed extension only risks a reclaim, which fencing makes safe
                 log.warning("drain %s: lease extension failed", self.pipeline)
 
@@ -271,13 +318,18 @@ class Drain:
             if item.payload.get("replay_from") == FROM_START:
                 with self.engine.begin() as conn:
                     checkpoints.clear(conn, self.pipeline, item.entity_ref)
-            handle(attempt)
+            # an entity whose last attempt failed retries: its first upstream call draws on the retry budget
+            with upstreams.retrying(item.stage is not None and attempt.replay_of is None):
+                handle(attempt)
         except Exception as exc:  # noqa: BLE001 - every failure is classified and settled, none escapes
             stage, cause = (exc.stage, exc.cause) if isinstance(exc, StageError) else \
                 (attempt.current_stage or item.stage or next(iter(self.policies)), exc)
             seconds = exc.seconds if isinstance(exc, StageError) else None
             try:
-                outcome = self._settle_failure(attempt, stage, cause, seconds)
+                if isinstance(cause, upstreams.RetryDeferred):
+                    outcome = self._patiently(lambda: self._defer_retry(attempt, stage, cause))
+                else:
+                    outcome = self._patiently(lambda: self._settle_failure(attempt, stage, cause, seconds))
             except LeaseLost:
                 outcome = "lease_lost"
             except Exception as settle_exc:  # noqa: BLE001 - the row's lease expires and it is worked again
@@ -286,7 +338,8 @@ class Drain:
                 outcome = "unsettled"
         else:
             try:
-                outcome = self._settle_success(attempt)
+                # what finished is written, waiting out an outage; the epoch decides whether it still counts
+                outcome = self._patiently(lambda: self._settle_success(attempt))
             except LeaseLost:
                 outcome = "lease_lost"
             except Exception as settle_exc:  # noqa: BLE001
@@ -302,6 +355,8 @@ class Drain:
                 report.dead_lettered += 1
             elif outcome == "lease_lost":
                 report.lease_lost += 1
+            elif outcome == "deferred":
+                report.deferred += 1
             else:
                 report.errors[outcome] = report.errors.get(outcome, 0) + 1
 
@@ -327,6 +382,18 @@ class Drain:
                 pipeline=self.pipeline, entity=attempt.entity_ref, stage=last, run_id=self.run_id,
                 attempt=sum(attempt.stage_attempts().values())))
         return "done"
+
+    def _defer_retry(self, attempt: Attempt, stage: str, deferred: upstreams.RetryDeferred) -> str:
+        """The upstream's retry budget held this retry back before it was sent: the row falls due later
+        (spread by jitter) with its attempts as they were, so an outage never spends entities' attempts."""
+        item, now = attempt.item, self.reliability.now()
+        spread = self.reliability.rng_for(f"{self.pipeline}:{item.entity_ref}:deferred:{now.isoformat()}")
+        due_at = now + timedelta(seconds=deferred.wait * spread.uniform(0.5, 1.5))
+        with self.engine.begin() as conn:
+            if not work.reschedule(conn, item, due_at=due_at, stage=stage, attempts=attempt.stage_attempts(),
+                                   error=f"{stage} of {item.entity_ref}: {deferred}", now=now):
+                raise LeaseLost(item.entity_ref)
+        return "deferred"
 
     def _settle_failure(self, attempt: Attempt, stage: str, exc: BaseException, seconds: float | None = None) -> str:
         item = attempt.item

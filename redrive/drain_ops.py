@@ -17,6 +17,7 @@ import dagster as dg
 
 from redrive.drain import Drain, DrainReport, Handler
 from redrive.reliability import Reliability
+from redrive.settings import cached_settings
 from redrive.stages import StagePolicy, sanitized_failures  # noqa: F401 - also imported from here
 
 DRAIN_TAG = "redrive/drain"  # a drain run: its entities are rows with leases, not the run itself
@@ -29,7 +30,7 @@ DRAIN_RETRY_POLICY = dg.RetryPolicy(max_retries=3, delay=2.0, backoff=dg.Backoff
 class DrainConfig(dg.Config):
     """Bounds of one drain run; the defaults suit the 2-core reference machine."""
 
-    concurrency: int = 8  # entities in flight at once (threads; the work is I/O)
+    concurrency: int | None = None  # entities in flight at once (threads); None: REDRIVE_DRAIN_IN_FLIGHT (8)
     batch_size: int = 50  # rows leased per claim statement
     max_seconds: float = 600.0  # the run ends after this; the sensor starts the next round
     linger_seconds: float = 5.0  # wait this long for work falling due before ending
@@ -40,8 +41,9 @@ def run_drain(context: dg.OpExecutionContext, runtime: Reliability, pipeline: st
               policies: Mapping[str, StagePolicy], handle: Handler, config: DrainConfig, *,
               group_key: str | None = None) -> dg.Output:
     """Drain `pipeline`'s due work (of one group, e.g. a file job) and report the counts."""
+    in_flight = config.concurrency or cached_settings().drain_in_flight(pipeline)
     drain = Drain(reliability=runtime, pipeline=pipeline, policies=policies, owner=f"run:{context.run_id}",
-                  concurrency=config.concurrency, batch_size=config.batch_size, max_seconds=config.max_seconds,
+                  concurrency=in_flight, batch_size=config.batch_size, max_seconds=config.max_seconds,
                   linger_seconds=config.linger_seconds, max_items=config.max_items, run_id=context.run_id)
     with sanitized_failures(f"drain of {pipeline}"):
         report = drain.run(handle, group_key=group_key)
@@ -55,7 +57,7 @@ def run_drain(context: dg.OpExecutionContext, runtime: Reliability, pipeline: st
 def _summary(pipeline: str, report: DrainReport) -> str:
     return (f"{pipeline}: {report.claimed} claimed in {report.batches} batches; {report.done} done, "
             f"{report.retried} due again later, {report.dead_lettered} dead-lettered, "
-            f"{report.lease_lost} lost to a reclaim")
+            f"{report.lease_lost} lost to a reclaim, {report.deferred} retries deferred by an upstream's budget")
 
 
 def drain_job(name: str, pipeline: str, op: dg.OpDefinition, *, description: str,

@@ -47,6 +47,9 @@ SERIES = (
     "redrive_alerts_sent_total", "redrive_alerts_pending", "redrive_due_work", "redrive_due_work_oldest_seconds",
     "redrive_circuit_breaker_open", "redrive_circuit_breaker_open_seconds_total",
     "redrive_pipeline_seconds_without_progress", "redrive_pipeline_stalled",
+    "redrive_upstream_slots_in_use", "redrive_upstream_slots_limit", "redrive_upstream_waiting",
+    "redrive_upstream_paused_seconds", "redrive_upstream_pauses_total", "redrive_upstream_retries_denied_total",
+    "redrive_upstream_retry_budget_exhausted_total",
 )
 
 
@@ -230,6 +233,42 @@ class BreakerCollector(Collector):
         yield open_time
 
 
+class UpstreamCollector(Collector):
+    """The limits every process shares per upstream (`redrive.upstreams`): slots in use, entities waiting,
+    pauses a provider's Retry-After imposed, retries the budget held back."""
+
+    def __init__(self, engine: sa.Engine, clock: Clock) -> None:
+        self.engine, self.clock = engine, clock
+
+    def collect(self) -> Iterator[Metric]:
+        from redrive.upstreams import states
+
+        with self.engine.connect() as conn:
+            found = states(conn, self.clock.now())
+        labels = ["upstream"]
+        in_use = GaugeMetricFamily("redrive_upstream_slots_in_use", "Concurrency slots held (lease running).",
+                                   labels=labels)
+        limit = GaugeMetricFamily("redrive_upstream_slots_limit", "Concurrency slots configured.", labels=labels)
+        waiting = GaugeMetricFamily("redrive_upstream_waiting", "Calls waiting for a slot, a rate grant or a pause.",
+                                    labels=labels)
+        paused = GaugeMetricFamily("redrive_upstream_paused_seconds", "Seconds left of a Retry-After pause.",
+                                   labels=labels)
+        pauses = CounterMetricFamily("redrive_upstream_pauses", "429 answers that paused the upstream.", labels=labels)
+        denied = CounterMetricFamily("redrive_upstream_retries_denied", "Retries deferred by the retry budget.",
+                                     labels=labels)
+        episodes = CounterMetricFamily("redrive_upstream_retry_budget_exhausted",
+                                       "Times the retry budget ran out (one alert each).", labels=labels)
+        for state in found:
+            in_use.add_metric([state.name], state.slots_in_use)
+            limit.add_metric([state.name], state.max_concurrent or 0)
+            waiting.add_metric([state.name], state.waiting)
+            paused.add_metric([state.name], state.paused_seconds_left)
+            pauses.add_metric([state.name], state.pauses)
+            denied.add_metric([state.name], state.retries_denied)
+            episodes.add_metric([state.name], state.budget_episodes)
+        yield from (in_use, limit, waiting, paused, pauses, denied, episodes)
+
+
 def registry(engine: sa.Engine, clock: Clock, pipelines: Sequence[str],
              sources: Mapping[str, PipelineSource] | None = None,
              extra: Sequence[Collector] = (), breakers: Sequence[str] = ()) -> CollectorRegistry:
@@ -237,6 +276,7 @@ def registry(engine: sa.Engine, clock: Clock, pipelines: Sequence[str],
     out = CollectorRegistry(auto_describe=False)
     out.register(PipelineCollector(engine, clock, pipelines, sources))
     out.register(BreakerCollector(engine, clock, breakers))
+    out.register(UpstreamCollector(engine, clock))
     for collector in extra:
         out.register(collector)
     return out

@@ -125,6 +125,15 @@ class Reliability:
             log.warning("alert dispatch failed; deliveries stay pending", exc_info=False)
             return None
 
+    def retry_budget_exhausted(self, upstream: str) -> bool:
+        """One alert per upstream and exhaustion episode (`redrive.upstreams` calls it once across processes)."""
+        return self.alert(Alert(
+            pipeline="upstreams", kind="retry_budget_exhausted", error_class=upstream,
+            dedupe_key=f"retry_budget:{upstream}:{self.now().isoformat()}",
+            summary=(f"retry budget of upstream {upstream} exhausted: its retries beyond the budget are deferred "
+                     "(no attempt spent) until its calls succeed again; see `redrive_upstream_retries_denied_total`"),
+        ))
+
     def defer(self, pipeline: str, entity_ref: str, attempt: int, delay: float,
               payload: Mapping[str, Any] | None = None) -> datetime:
         due_at = self.now() + timedelta(seconds=delay)

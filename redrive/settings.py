@@ -13,6 +13,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from redrive.upstream_policy import UPSTREAMS, UpstreamLimits
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -117,6 +119,37 @@ class Settings(BaseSettings):
         default=300.0,
         description="Retry waits longer than this leave the run and become a durable timer in Postgres.",
     )
+
+    # --- upstream limits, shared by every run and process (issue 26; docs/operating.md "Upstream limits") ---
+    # JSON per upstream, e.g. REDRIVE_UPSTREAM_LLM='{"max_concurrent": 60, "rate_per_second": 45,
+    # "retry_share": 0.1}'. Unset: calls to that upstream go straight out, as before.
+    redrive_upstream_llm: UpstreamLimits | None = None
+    redrive_upstream_artifact_store: UpstreamLimits | None = None
+    redrive_upstream_case_api: UpstreamLimits | None = None
+    redrive_upstream_mail: UpstreamLimits | None = None
+    redrive_upstream_pdf_gateway: UpstreamLimits | None = None
+    redrive_upstream_webhooks: UpstreamLimits | None = None
+    redrive_upstream_slack: UpstreamLimits | None = None
+
+    # --- drain runs per pipeline (issue 26 §2): JSON maps by pipeline name, e.g.
+    # REDRIVE_DRAIN_IN_FLIGHT='{"criticizer": 64}' REDRIVE_DRAIN_RUNS='{"criticizer": 2}'
+    redrive_drain_in_flight: dict[str, int] = Field(
+        default_factory=dict, description="Entities one drain run works at once, per pipeline (default 8); "
+        "a run config's `concurrency` wins.")
+    redrive_drain_runs: dict[str, int] = Field(
+        default_factory=dict, description="Drain runs of one pipeline at once, per pipeline (default 1); they "
+        "share the queue (SKIP LOCKED, fenced leases). The run queue caps any pipeline at 8.")
+
+    def drain_in_flight(self, pipeline: str) -> int:
+        return max(1, self.redrive_drain_in_flight.get(pipeline, 8))
+
+    def drain_runs(self, pipeline: str) -> int:
+        return max(1, self.redrive_drain_runs.get(pipeline, 1))
+
+    def upstream_limits(self) -> dict[str, UpstreamLimits]:
+        """The configured upstreams' limits by name (`redrive.upstream_policy.UPSTREAMS`)."""
+        found = {name: getattr(self, f"redrive_upstream_{name}") for name in UPSTREAMS}
+        return {name: limits for name, limits in found.items() if limits is not None}
 
     def _sandbox(self, path: str) -> str | None:
         return f"{self.sandbox_url.rstrip('/')}{path}" if self.sandbox_url else None

@@ -12,6 +12,8 @@ import httpx
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from redrive.upstreams import guarded
+
 if TYPE_CHECKING:  # the resource carries the pipeline's knobs as plain fields; it never imports the pipeline
     from assets.conversion.settings import ConversionSettings
 
@@ -56,8 +58,8 @@ class HttpGateway:
         self._http = httpx.Client(timeout=timeout_seconds, limits=pool_limits(in_flight))
 
     def convert(self, pdf: bytes) -> bytes:
-        response = self._http.post(self._convert, content=pdf,
-                                   headers={"Content-Type": "application/pdf", "Accept": "application/xml"})
+        response = guarded("pdf_gateway", lambda: self._http.post(
+            self._convert, content=pdf, headers={"Content-Type": "application/pdf", "Accept": "application/xml"}))
         response.raise_for_status()
         return response.content
 

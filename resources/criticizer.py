@@ -17,6 +17,7 @@ from pydantic import Field
 
 from redrive.clock import SystemClock
 from redrive.failures import Code, Failure, classify_http, raise_failure
+from redrive.upstreams import guarded
 from resources.http import shared_client
 from resources.notify import SlackWebhookChannel
 
@@ -34,6 +35,9 @@ class CriticizerHttpResource(ConfigurableResource):
         if self.artifact_url_prefixes and not any(url.startswith(p) for p in self.artifact_url_prefixes):
             raise_failure(Failure.of(Code.POLICY_REJECTED, message="artifact URL is outside the allowed stores",
                                      retryable=False))
+        return guarded("artifact_store", lambda: self._fetch(url))
+
+    def _fetch(self, url: str) -> bytes:
         with shared_client().stream("GET", url, timeout=self.timeout_seconds) as response:
             if response.is_error:
                 response.read()  # the classifier reads provider error codes and Retry-After from it
@@ -49,7 +53,8 @@ class CriticizerHttpResource(ConfigurableResource):
 
     def post_webhook(self, url: str, payload: Mapping[str, Any], headers: Mapping[str, str]) -> int:
         """POST the critique; returns the status, raises a classified failure on a non-2xx answer."""
-        response = shared_client().post(url, json=dict(payload), headers=dict(headers), timeout=self.timeout_seconds)
+        response = guarded("webhooks", lambda: shared_client().post(url, json=dict(payload), headers=dict(headers),
+                                                                    timeout=self.timeout_seconds))
         if response.is_error:
             raise_failure(classify_http(response.status_code, response.content, response.headers, SystemClock().now()))
         return response.status_code

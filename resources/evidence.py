@@ -23,6 +23,7 @@ from dagster import ConfigurableResource
 from pydantic import BaseModel, ConfigDict, Field
 
 from redrive.failures import Code, Failure, raise_failure
+from redrive.upstreams import guarded
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -71,18 +72,19 @@ class CaseApiClient:
 
     def attach(self, case_id: UUID, artifact_id: UUID, *, filename: str, content_sha256: str,
                s3_key: str) -> CaseAttachment:
-        response = self._http.post(
+        response = guarded("case_api", lambda: self._http.post(
             f"cases/{case_id}/evidence",
             json={"artifact_id": str(artifact_id), "filename": filename, "content_sha256": content_sha256,
                   "s3_key": s3_key},
             headers={"Idempotency-Key": str(artifact_id)},
-        )
+        ))
         response.raise_for_status()
         return _read(response, CaseAttachment, "case API attach")
 
     def lookup(self, artifact_id: UUID) -> CaseAttachment | None:
         """The attachment made with this artifact's idempotency key, or None when there is none."""
-        response = self._http.get("attachments", params={"idempotency_key": str(artifact_id)})
+        response = guarded("case_api", lambda: self._http.get("attachments",
+                                                              params={"idempotency_key": str(artifact_id)}))
         if response.status_code == 404:
             return None
         response.raise_for_status()
@@ -110,13 +112,13 @@ class MailClient:
         self._http = http
 
     def send(self, *, to: str, subject: str, text: str, token: str) -> str:
-        response = self._http.post("messages", json={"to": to, "subject": subject, "text": text,
-                                                     "idempotency_token": token})
+        response = guarded("mail", lambda: self._http.post("messages", json={
+            "to": to, "subject": subject, "text": text, "idempotency_token": token}))
         response.raise_for_status()
         return _read(response, MailAccepted, "mail provider").message_id
 
     def find(self, token: str) -> str | None:
-        response = self._http.get("messages", params={"idempotency_token": token})
+        response = guarded("mail", lambda: self._http.get("messages", params={"idempotency_token": token}))
         if response.status_code == 404:
             return None
         response.raise_for_status()

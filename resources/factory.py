@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -67,6 +68,8 @@ def build_resources(settings: Settings) -> dict[str, Any]:
             durable_threshold_seconds=settings.redrive_durable_wait_threshold_seconds,
             burst_window_seconds=settings.alert_burst_window_seconds,
             ui_url=settings.dagster_ui_url,
+            upstream_limits=json.dumps({name: limits.model_dump(exclude_defaults=True)
+                                        for name, limits in settings.upstream_limits().items()}),
         ),
         "s3": s3_resource(settings.aws_endpoint_url, settings.aws_region),
         "sqs": SqsResource(endpoint_url=settings.aws_endpoint_url, region_name=settings.aws_region),

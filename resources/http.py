@@ -14,6 +14,8 @@ import threading
 import httpx
 from dagster import ConfigurableResource
 
+from redrive.upstreams import guarded
+
 _LOCK = threading.Lock()
 _CLIENT: tuple[int, httpx.Client] | None = None
 
@@ -38,7 +40,7 @@ class ArtifactStoreResource(ConfigurableResource):
     timeout_seconds: float = 10.0
 
     def fetch(self, path: str) -> bytes:
-        response = shared_client().get(f"{self.base_url.rstrip('/')}/{path.lstrip('/')}",
-                                       timeout=self.timeout_seconds)
+        url = f"{self.base_url.rstrip('/')}/{path.lstrip('/')}"
+        response = guarded("artifact_store", lambda: shared_client().get(url, timeout=self.timeout_seconds))
         response.raise_for_status()
         return response.content

@@ -15,6 +15,7 @@ import httpx
 from dagster import ConfigurableResource
 from pydantic import BaseModel
 
+from redrive.upstreams import guarded
 from resources.http import shared_client
 
 M = TypeVar("M", bound=BaseModel)
@@ -30,12 +31,12 @@ class LlmResource(ConfigurableResource):
         body = {"model": self.model, "messages": messages, "response_format": {"type": "json_object"}}
         http = client or shared_client()
         try:
-            response = http.post(
+            response = guarded("llm", lambda: http.post(
                 f"{self.base_url.rstrip('/')}/chat/completions",
                 json=body,
                 headers={"Authorization": f"Bearer {self.api_key}"},
                 timeout=self.timeout_seconds,
-            )
+            ))
             response.raise_for_status()
             envelope: dict[str, Any] = json.loads(response.content)
             content = envelope["choices"][0]["message"]["content"]

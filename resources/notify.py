@@ -18,6 +18,7 @@ from slack_sdk import WebClient
 from slack_sdk.webhook import WebhookClient
 
 from redrive.alerts import Channel
+from redrive.upstreams import guarded
 from resources.http import shared_client
 from resources.secrets import resolved
 
@@ -68,7 +69,7 @@ class SlackWebhookChannel:
     name: str = "slack"
 
     def send(self, subject: str, text: str, token: str) -> str | None:
-        response = shared_client().post(self.url, json={"text": text}, timeout=10)
+        response = guarded("slack", lambda: shared_client().post(self.url, json={"text": text}, timeout=10))
         response.raise_for_status()
         return None
 
@@ -80,7 +81,7 @@ class SlackApiChannel:
     name: str = "slack"
 
     def send(self, subject: str, text: str, token: str) -> str | None:
-        reply = self.resource.get_client().chat_postMessage(channel=self.channel, text=text)
+        reply = guarded("slack", lambda: self.resource.get_client().chat_postMessage(channel=self.channel, text=text))
         return str(reply.get("ts"))
 
 
@@ -97,13 +98,13 @@ class EmailChannel:
     def send(self, subject: str, text: str, token: str) -> str | None:
         ids = []
         for recipient in self.recipients:
-            response = shared_client().post(
+            response = guarded("mail", lambda recipient=recipient: shared_client().post(
                 f"{self.mail_url.rstrip('/')}/messages",
                 json={"to": recipient, "subject": subject, "text": text,
                       "idempotency_token": f"{token}:{recipient}"},
                 headers={"Authorization": f"Bearer {self.api_token}"},
                 timeout=10,
-            )
+            ))
             response.raise_for_status()
             ids.append(response.json().get("message_id", ""))
         return ",".join(ids)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 from dagster import ConfigurableResource, InitResourceContext
 from pydantic import Field
 
-from redrive import liveness
+from redrive import liveness, upstreams
+from redrive.upstream_policy import UpstreamLimits
 
 from redrive.clock import Clock, SystemClock
 from redrive.reliability import Reliability
@@ -24,6 +27,8 @@ class ReliabilityResource(ConfigurableResource):
     ui_url: str = "http://localhost:3000"
 
     jitter_seed: str = Field(default="", description="Seeds jitter; fixed per entity, stage and attempt.")
+    upstream_limits: str = Field(default="{}", description="Limits per upstream as JSON (REDRIVE_UPSTREAM_*), "
+                                 "shared by every process through PostgreSQL.")
     heartbeat_seconds: float = Field(default=liveness.HEARTBEAT_SECONDS,
                                      description="A run using this resource beats this often (the run watchdog).")
 
@@ -40,7 +45,7 @@ class ReliabilityResource(ConfigurableResource):
             liveness.stop_for_run(context.dagster_run.run_id)
 
     def runtime(self, clock: Clock | None = None) -> Reliability:
-        return Reliability(
+        runtime = Reliability(
             engine=self.database.engine(),
             channels=self.notifier.channels(),
             clock=clock or SystemClock(),
@@ -50,3 +55,7 @@ class ReliabilityResource(ConfigurableResource):
             burst_window=self.burst_window_seconds,
             ui_url=self.ui_url,
         )
+        limits = {name: UpstreamLimits.model_validate(value) for name, value in json.loads(self.upstream_limits).items()}
+        # the calls of this process's resources go through these limits (`redrive.upstreams.guarded`)
+        upstreams.install_once(runtime.engine, limits, SystemClock(), runtime.retry_budget_exhausted)
+        return runtime

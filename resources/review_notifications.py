@@ -21,6 +21,7 @@ from urllib.parse import quote
 import httpx
 from dagster import ConfigurableResource
 from pydantic import BaseModel, ConfigDict, Field
+from redrive.upstreams import guarded
 
 
 class OutgoingMail(BaseModel):
@@ -73,7 +74,7 @@ class MailProvider:
 
     def send(self, mail: OutgoingMail) -> str:
         """Send once per token; returns the provider's message id (also for a replayed token)."""
-        response = self.http.post("/messages", json=mail.model_dump())
+        response = guarded("mail", lambda: self.http.post("/messages", json=mail.model_dump()))
         response.raise_for_status()
         return Accepted.model_validate(_json(response)).message_id
 
@@ -84,7 +85,7 @@ class MailProvider:
         return self._lookup(f"/messages/{quote(message_id, safe='')}")
 
     def _lookup(self, path: str, params: dict[str, str] | None = None) -> ProviderMessage | None:
-        response = self.http.get(path, params=params)
+        response = guarded("mail", lambda: self.http.get(path, params=params))
         if response.status_code == 404:
             return None
         response.raise_for_status()

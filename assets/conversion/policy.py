@@ -78,13 +78,15 @@ def public(code: str | None) -> str | None:
 ReclaimOutcome = Literal["requeue", "fail"]
 
 
-def reclaim_outcome(attempt_count: int, max_attempts: int) -> ReclaimOutcome:
-    """An expired lease is requeued (003 §3.4) — unless that was the job's last attempt.
+def reclaim_outcome(lost_leases: int, max_attempts: int) -> ReclaimOutcome:
+    """An expired lease is requeued (003 §3.4) with its attempt given back — unless the job has now lost
+    its worker ``max_attempts`` times (``lost_leases`` counts this one).
 
-    A graceful shutdown gives its attempt back, so only crashes and lost workers count here; a job
-    that lost its worker on every attempt is a poison pill (it may be what kills them), not bad luck.
+    An expired lease is our own infrastructure's loss (a crash, a pause, the database away), counted
+    apart from the gateway's attempts (issue 26 §2); a job that loses its worker every time is a poison
+    pill (it may be what kills them), not bad luck. `repository.reclaim_expired` applies it in SQL.
     """
-    return "fail" if attempt_count >= max_attempts else "requeue"
+    return "fail" if lost_leases >= max_attempts else "requeue"
 
 
 def claim_ahead(concurrency: int, turn_seconds: float, job_seconds: float) -> int:

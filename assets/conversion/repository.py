@@ -47,6 +47,8 @@ conversion_jobs = sa.Table(
     sa.Column("result_location", sa.Text),  # relative to RESULTS_DIR
     sa.Column("status", sa.Text, nullable=False, server_default="queued"),
     sa.Column("attempt_count", sa.Integer, nullable=False, server_default="0"),  # attemptCount
+    # leases that expired (a worker lost, paused or cut off): counted apart, they give their attempt back
+    sa.Column("lost_leases", sa.Integer, nullable=False, server_default="0"),
     sa.Column("last_attempt_at", TZ),  # lastAttemptAt
     sa.Column("retry_after", TZ),  # retryAfter
     sa.Column("leased_by", sa.Text),
@@ -583,32 +585,37 @@ def record_fenced(conn: sa.Connection, lease: Lease, write: str, now: datetime) 
 def reclaim_expired(conn: sa.Connection, now: datetime, max_attempts: int, limit: int = 100) -> list[Reclaimed]:
     """003 §3.4 reclaim: ``processing`` rows whose lease expired go back to ``queued`` (leased_by cleared).
 
-    Locked rows are skipped (their holder is writing right now, so the lease is not dead). A lease
-    lost on the job's last attempt fails the job instead (:func:`assets.conversion.policy.reclaim_outcome`);
-    the caller dead-letters those.
+    Locked rows are skipped (their holder is writing right now, so the lease is not dead). An expired
+    lease is our infrastructure's loss, not the gateway's (issue 26 §2): the attempt is given back and
+    counted in ``lost_leases`` instead; the job whose worker was lost ``max_attempts`` times fails
+    (:func:`assets.conversion.policy.reclaim_outcome`, a poison pill); the caller dead-letters those.
     """
     rows = conn.execute(
         sa.text("""\
 WITH expired AS (
-    SELECT id, leased_by, lease_epoch, attempt_count FROM conversion_jobs
+    SELECT id, leased_by, lease_epoch, attempt_count, lost_leases FROM conversion_jobs
     WHERE status = 'processing' AND lease_expires_at < :now
     ORDER BY lease_expires_at
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
 ), moved AS (
     UPDATE conversion_jobs AS j
-    SET status = CASE WHEN e.attempt_count >= :max_attempts THEN 'failed' ELSE 'queued' END,
-        error_code = CASE WHEN e.attempt_count >= :max_attempts THEN 'UNKNOWN' ELSE j.error_code END,
-        error_message = CASE WHEN e.attempt_count >= :max_attempts THEN :lost_message ELSE j.error_message END,
-        dead_letter = (e.attempt_count >= :max_attempts),
+    SET status = CASE WHEN e.lost_leases + 1 >= :max_attempts THEN 'failed' ELSE 'queued' END,
+        error_code = CASE WHEN e.lost_leases + 1 >= :max_attempts THEN 'UNKNOWN' ELSE j.error_code END,
+        error_message = CASE WHEN e.lost_leases + 1 >= :max_attempts THEN :lost_message ELSE j.error_message END,
+        dead_letter = (e.lost_leases + 1 >= :max_attempts),
+        attempt_count = CASE WHEN e.lost_leases + 1 >= :max_attempts THEN e.attempt_count
+                             ELSE greatest(e.attempt_count - 1, 0) END,
+        lost_leases = e.lost_leases + 1,
         leased_by = NULL, lease_expires_at = NULL, updated_at = :now
     FROM expired AS e
     WHERE j.id = e.id
-    RETURNING j.id, e.leased_by, e.lease_epoch, e.attempt_count, j.status
+    RETURNING j.id, e.leased_by, e.lease_epoch, e.attempt_count, j.status, j.lost_leases
 ), logged AS (
     INSERT INTO conversion_job_events (job_id, event, attempt, at, meta)
     SELECT id, CASE WHEN status = 'failed' THEN 'failed' ELSE 'expired' END, attempt_count, :now,
-           jsonb_build_object('leased_by', leased_by, 'epoch', lease_epoch, 'reason', 'lease_expired')
+           jsonb_build_object('leased_by', leased_by, 'epoch', lease_epoch, 'reason', 'lease_expired',
+                              'lost_leases', lost_leases)
     FROM moved
 )
 SELECT id, leased_by, lease_epoch, attempt_count, status FROM moved"""),

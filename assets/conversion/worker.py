@@ -423,6 +423,7 @@ class Worker:
         self.health = Health()
         self.in_flight: dict[tuple[str, int], repo.Lease] = {}
         self.abandoned: set[tuple[str, int]] = set()
+        self._lost: set[tuple[str, int]] = set()  # leases another worker reclaimed while we were away
         self._unwritten: list[Attempt] = []
         self._turn_seconds = 0.0  # moving averages of a turn's writes and of a job's attempt, for claim_ahead
         self._job_seconds = 0.0
@@ -493,8 +494,13 @@ class Worker:
         return self.report
 
     def turn(self, *, claim: bool = True, limit: int | None = None) -> Literal["busy", "idle", "held"]:
-        """Write what finished, claim for the free slots (and a few ahead), then wait for the next job to finish."""
-        self.maybe_reclaim()
+        """Write what finished, claim for the free slots (and a few ahead), reclaim expired leases, then wait
+        for the next job to finish.
+
+        What finished is written before anything is reclaimed (issue 26 §2): after a pause or a database
+        outage longer than the lease, our own expired leases are still ours until someone reclaims them
+        (the epoch decides), so results our slots finished meanwhile are recorded, not refused.
+        """
         finished = self._unwritten + self._collect(block=False)
         self._measure_jobs(finished)
         ahead = policy.claim_ahead(self.settings.worker_concurrency, self._turn_seconds, self._job_seconds)
@@ -508,6 +514,7 @@ class Worker:
         self._unwritten = []
         if claimed:
             self._start(claimed)
+        self.maybe_reclaim()
         if self.in_flight:
             self._unwritten = self._collect(block=True)
             return "busy"
@@ -654,9 +661,26 @@ class Worker:
         if force and self._last_reclaim is not None and now - self._last_reclaim < min(every, 0.5):
             return []
         self._last_reclaim = now
+        self._keep_own_leases()
         moved = self.reclaim()
         self.sweep_staged()
         return moved
+
+    def _keep_own_leases(self) -> None:
+        """Extend every lease this worker still holds before reclaiming: after a pause (GC, SIGSTOP, a frozen
+        VM) or an outage our leases may have run out while our slots kept working; they are still ours unless
+        another worker reclaimed them (the fenced extension says which), so our own reclaim must not take them
+        and charge their jobs for our pause."""
+        leases = [lease for key, lease in self.in_flight.items() if key not in self._lost]
+        if not leases:
+            return
+        now = self.clock.now()
+        with self.engine.begin() as conn:
+            held = repo.extend_many(conn, leases, now, self.settings.worker_lease_ttl_sec)
+        for lease in leases:
+            if lease.job_id not in held:  # reclaimed by another worker while we were away: its write will say so
+                self._lost.add((lease.job_id, lease.epoch))
+                self._fenced(lease, "extend")
 
     def reclaim(self) -> list[repo.Reclaimed]:
         """003 §3.4 reclaim step; a lease lost on the last attempt fails the job, dead letter and alert included,
@@ -827,6 +851,7 @@ class Worker:
             else:
                 outcomes[attempt.lease.job_id] = self._failed(attempt)
                 self.in_flight.pop((attempt.lease.job_id, attempt.lease.epoch), None)
+                self._lost.discard((attempt.lease.job_id, attempt.lease.epoch))
                 if attempt in self._unwritten:  # written: a retried turn must not write it again
                     self._unwritten.remove(attempt)
         if self.shutdown.requested:
@@ -857,6 +882,7 @@ class Worker:
         for attempt in successes:
             lease = attempt.lease
             self.in_flight.pop((lease.job_id, lease.epoch), None)
+            self._lost.discard((lease.job_id, lease.epoch))
             if lease.job_id in cycle.completed or (refused and lease.job_id in ours):
                 outcomes[lease.job_id] = "succeeded"
                 self.report.succeeded += 1

@@ -31,6 +31,13 @@ Admin routes (no auth):
     DELETE /_admin/faults/{route}/random
     POST   /_admin/routes/{route}/default       {"content": "..."} (llm) or {"json": {...}} (any JSON route);
                                                 {"content": "...", "when": "text"}: llm, prompts containing text
+    POST   /_admin/routes/{route}/profile       latency and provider limits (see profiles.py):
+                                                {"latency": {"seconds": s} | {"p50": s, "p99": s}, "seed": n,
+                                                 "max_concurrent": n, "rate_per_second": r, "retry_after": s}
+    DELETE /_admin/routes/{route}/profile
+    GET    /_admin/meters                       per route: peak concurrency, peak requests in any 1 s window,
+                                                the same for what was offered, and how many were refused (429)
+    DELETE /_admin/meters                       forget the counters (profiles stay)
     GET    /_admin/effects?kind=K               {"effects": [{"seq", "kind", "at", ...data}]}
     GET    /_admin/effects/count?kind=K         {"count": n}
     DELETE /_admin/effects
@@ -51,11 +58,15 @@ Fault steps (each request on a route consumes the next one, before any other che
                                             do the real work (effect recorded), then answer the error;
                                             if the request itself was invalid its own 4xx is returned
     {"kind": "content", "content": "..."}   llm only: succeed with this content
+    {"kind": "delay", "seconds": 2}         wait, then behave normally
     {"kind": "reset"}                       send headers and a few body bytes, then close the socket
                                             (uvicorn gives an app no way to drop a connection before
                                             the headers, so clients see RemoteProtocolError mid-body)
 
-Only normal answers, `content` and `effect_then_error` perform side effects. The request log
+A route's profile is applied before its script: a request over the route's limits is answered 429 with
+Retry-After and consumes no step; an admitted one waits the route's latency (not on `timeout` steps).
+
+Only normal answers, `content`, `delay` and `effect_then_error` perform side effects. The request log
 keeps header names only and no bodies; the effect log keeps ids and digests, never tokens.
 """
 
@@ -80,6 +91,7 @@ from devstack.sandbox.effects import Clock, utc_now
 from devstack.sandbox.faults import (
     STEP_KINDS,
     ContentStep,
+    DelayStep,
     EffectThenErrorStep,
     FaultScriptError,
     MalformedStep,
@@ -95,6 +107,7 @@ from devstack.sandbox.faults import (
     UnknownRoute,
     parse_route,
 )
+from devstack.sandbox.profiles import RouteProfile
 from devstack.sandbox.state import CaseNotFound, IdempotencyConflict, MailMessage, RouteDefault, SandboxState
 from devstack.sandbox.wire import (
     PDF_MAGIC,
@@ -192,6 +205,9 @@ async def _apply(route: Route, step: Step, request: Request, state: SandboxState
     match step:
         case OkStep() | ContentStep():
             return await handler(request, state, step)
+        case DelayStep():
+            await asyncio.sleep(step.seconds)
+            return await handler(request, state, step)
         case StatusStep():
             return _fault_response(route, step.status, step.headers, step.body, step.error_code)
         case TimeoutStep():
@@ -222,29 +238,51 @@ async def _request_text(request: Request, state: SandboxState, route: Route) -> 
 
 
 def scripted(route: Route, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-    """Wrap a provider endpoint: consume the route's next step, log the request, apply the step."""
+    """Wrap a provider endpoint: apply the route's limits (a refused request consumes no step), consume the
+    route's next step, log the request, wait the route's latency, apply the step."""
 
     async def endpoint(request: Request) -> Response:
         state = _state(request)
-        planned = state.faults.next_step(route, await _request_text(request, state, route))
-        seq = state.traffic.open(
-            route=route.value,
-            method=request.method,
-            path=request.url.path,
-            header_names=list(request.headers.keys()),
-            step=planned.label,
-            source=planned.source,
-        )
+        meters = state.meters
+        admission = meters.arrive(route)
+        if not admission.admitted:
+            try:
+                seq = state.traffic.open(
+                    route=route.value,
+                    method=request.method,
+                    path=request.url.path,
+                    header_names=list(request.headers.keys()),
+                    step=f"limited:{admission.reason}",
+                    source="limit",
+                )
+                state.traffic.close(seq, 429)
+                return _fault_response(route, 429, {"Retry-After": str(admission.retry_after)}, None, None)
+            finally:
+                meters.leave(route, admitted=False)
         try:
-            response = await _apply(route, planned.step, request, state, handler)
-        except asyncio.CancelledError:
-            state.traffic.close(seq, None)  # server shutting down mid-request
-            raise
-        except Exception:
-            state.traffic.close(seq, 500)
-            raise
-        state.traffic.close(seq, None if isinstance(response, DroppedConnection) else response.status_code)
-        return response
+            planned = state.faults.next_step(route, await _request_text(request, state, route))
+            seq = state.traffic.open(
+                route=route.value,
+                method=request.method,
+                path=request.url.path,
+                header_names=list(request.headers.keys()),
+                step=planned.label,
+                source=planned.source,
+            )
+            try:
+                if admission.delay > 0 and not isinstance(planned.step, TimeoutStep):
+                    await asyncio.sleep(admission.delay)
+                response = await _apply(route, planned.step, request, state, handler)
+            except asyncio.CancelledError:
+                state.traffic.close(seq, None)  # server shutting down mid-request
+                raise
+            except Exception:
+                state.traffic.close(seq, 500)
+                raise
+            state.traffic.close(seq, None if isinstance(response, DroppedConnection) else response.status_code)
+            return response
+        finally:
+            meters.leave(route, admitted=True)
 
     return endpoint
 
@@ -630,6 +668,27 @@ async def admin_set_default(request: Request, state: SandboxState) -> Response:
     return JSONResponse({"route": route.value, "status": "set"})
 
 
+async def admin_set_profile(request: Request, state: SandboxState) -> Response:
+    route = _route_param(request)
+    profile = await _admin_model(request, RouteProfile)
+    state.meters.set_profile(route, profile)
+    return JSONResponse({"route": route.value, "profile": profile.model_dump(exclude_none=True)}, status_code=201)
+
+
+async def admin_clear_profile(request: Request, state: SandboxState) -> Response:
+    route = _route_param(request)
+    return JSONResponse({"route": route.value, "cleared": state.meters.clear_profile(route)})
+
+
+async def admin_meters(request: Request, state: SandboxState) -> Response:
+    return JSONResponse({"routes": state.meters.snapshot()})
+
+
+async def admin_clear_meters(request: Request, state: SandboxState) -> Response:
+    state.meters.reset_counters()
+    return JSONResponse({"status": "cleared"})
+
+
 async def admin_effects(request: Request, state: SandboxState) -> Response:
     kind = request.query_params.get("kind")
     return JSONResponse({"effects": [e.to_json() for e in state.effects.list(kind)]})
@@ -697,6 +756,10 @@ def create_app(*, clock: Clock = utc_now, mail_token: str | None = None) -> Star
         HttpRoute("/_admin/faults/{route}/random", admin(admin_start_random), methods=["POST"]),
         HttpRoute("/_admin/faults/{route}/random", admin(admin_stop_random), methods=["DELETE"]),
         HttpRoute("/_admin/routes/{route}/default", admin(admin_set_default), methods=["POST"]),
+        HttpRoute("/_admin/routes/{route}/profile", admin(admin_set_profile), methods=["POST"]),
+        HttpRoute("/_admin/routes/{route}/profile", admin(admin_clear_profile), methods=["DELETE"]),
+        HttpRoute("/_admin/meters", admin(admin_meters), methods=["GET"]),
+        HttpRoute("/_admin/meters", admin(admin_clear_meters), methods=["DELETE"]),
         HttpRoute("/_admin/effects", admin(admin_effects), methods=["GET"]),
         HttpRoute("/_admin/effects", admin(admin_clear_effects), methods=["DELETE"]),
         HttpRoute("/_admin/effects/count", admin(admin_effect_count), methods=["GET"]),

@@ -81,6 +81,43 @@ class SandboxClient:
             body["json"] = json
         self._call("POST", f"/_admin/routes/{route}/default", json=body)
 
+    # -- latency and provider limits ---------------------------------------------
+
+    def set_profile(
+        self,
+        route: str,
+        *,
+        latency: float | None = None,
+        p50: float | None = None,
+        p99: float | None = None,
+        max_concurrent: int | None = None,
+        rate_per_second: float | None = None,
+        retry_after: int | None = None,
+        seed: int = 0,
+    ) -> dict[str, Any]:
+        """Make the route answer after `latency` seconds (or lognormal by `p50`/`p99`) and refuse with 429 +
+        Retry-After beyond `max_concurrent` requests in flight or `rate_per_second` in any 1 s window."""
+        body: dict[str, Any] = {"seed": seed, **_only(max_concurrent=max_concurrent, rate_per_second=rate_per_second,
+                                                      retry_after=retry_after)}
+        if latency is not None:
+            body["latency"] = {"seconds": latency}
+        elif p50 is not None or p99 is not None:
+            body["latency"] = _only(p50=p50, p99=p99)
+        profile: dict[str, Any] = self._call("POST", f"/_admin/routes/{route}/profile", json=body)["profile"]
+        return profile
+
+    def clear_profile(self, route: str) -> None:
+        self._call("DELETE", f"/_admin/routes/{route}/profile")
+
+    def meters(self, route: str | None = None) -> dict[str, Any]:
+        """Per route: admitted, limited (429 by a limit), peak_concurrency, peak_rate_per_second and the
+        offered_ peaks (refused requests counted too); one route's dict when `route` is given."""
+        routes: dict[str, Any] = self._call("GET", "/_admin/meters")["routes"]
+        return routes if route is None else routes[route]
+
+    def clear_meters(self) -> None:
+        self._call("DELETE", "/_admin/meters")
+
     # -- logs ------------------------------------------------------------------
 
     def effects(self, kind: str | None = None) -> list[dict[str, Any]]:
@@ -137,5 +174,5 @@ def _step_json(step: StepSpec) -> dict[str, Any]:
     return dict(step)
 
 
-def _only(**params: str | None) -> dict[str, str]:
+def _only(**params: Any) -> dict[str, Any]:
     return {k: v for k, v in params.items() if v is not None}

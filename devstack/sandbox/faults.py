@@ -132,6 +132,17 @@ class ContentStep(_Step):
         return "content"
 
 
+class DelayStep(_Step):
+    """Wait this long, then behave normally: one slow answer among fast ones."""
+
+    kind: Literal["delay"]
+    seconds: float = Field(ge=0, le=600)
+
+    @property
+    def label(self) -> str:
+        return "delay"
+
+
 class ResetStep(_Step):
     """Start an answer and close the socket mid-body, as a reset proxy would."""
 
@@ -142,7 +153,9 @@ class ResetStep(_Step):
         return "reset"
 
 
-STEP_KINDS = ("ok", "status", "timeout", "malformed", "schema_invalid", "effect_then_error", "content", "reset")
+STEP_KINDS = (
+    "ok", "status", "timeout", "malformed", "schema_invalid", "effect_then_error", "content", "reset", "delay",
+)
 
 
 def _step_kind(raw: Any) -> str | None:
@@ -163,7 +176,8 @@ Step = Annotated[
     | Annotated[SchemaInvalidStep, Tag("schema_invalid")]
     | Annotated[EffectThenErrorStep, Tag("effect_then_error")]
     | Annotated[ContentStep, Tag("content")]
-    | Annotated[ResetStep, Tag("reset")],
+    | Annotated[ResetStep, Tag("reset")]
+    | Annotated[DelayStep, Tag("delay")],
     Discriminator(
         _step_kind,
         custom_error_type="unknown_step_kind",

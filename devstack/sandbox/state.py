@@ -15,6 +15,7 @@ from typing import Any
 
 from devstack.sandbox.effects import Clock, EffectLog, utc_now
 from devstack.sandbox.faults import FaultBook, Route
+from devstack.sandbox.profiles import RouteMeters
 from devstack.sandbox.traffic import RequestLog
 from devstack.sandbox.wire import (
     DEFAULT_LLM_CONTENT,
@@ -104,6 +105,7 @@ class SandboxState:
         self.faults = FaultBook()
         self.effects = EffectLog(self._clock)
         self.traffic = RequestLog(self._clock)
+        self.meters = RouteMeters()
         self._defaults: dict[Route, RouteDefault] = {}
         self._llm_answers: dict[str, str] = {}  # prompt text → content, first match wins
         self._store: dict[str, StoredObject] = {}

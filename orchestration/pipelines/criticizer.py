@@ -18,7 +18,8 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
         jobs=[pipeline.criticizer_job],
         # new requests, retries falling due and dead-letter replays are all due rows: one sensor, one run per round
         sensors=[due_work_sensor(pipeline.PIPELINE, pipeline.criticizer_job,
-                                 minimum_interval_seconds=own.sensor_interval_seconds)],
+                                 minimum_interval_seconds=own.sensor_interval_seconds,
+                                 max_runs=settings.drain_runs(pipeline.PIPELINE))],
         resources={
             "criticizer_http": CriticizerHttpResource(
                 timeout_seconds=settings.http_timeout_seconds,

@@ -17,7 +17,8 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
     return PipelineDefs(
         name=policy.PIPELINE,
         jobs=[job],
-        sensors=[due_work_sensor(policy.PIPELINE, job, minimum_interval_seconds=knobs.sensor_interval_seconds)],
+        sensors=[due_work_sensor(policy.PIPELINE, job, minimum_interval_seconds=knobs.sensor_interval_seconds,
+                                 max_runs=settings.drain_runs(policy.PIPELINE))],
         resources={
             "review_mail": MailProviderResource(
                 base_url=settings.mail_url or "http://127.0.0.1:9/mail/v1",

@@ -50,8 +50,9 @@ def test_every_late_write_of_a_reclaimed_lease_is_refused_logged_and_counted(eng
     assert events(engine, job_id).count("complete") == 1
 
 
-def test_a_lease_lost_on_the_last_attempt_fails_the_job_for_good(engine, submit, make_worker, clock, sandbox) -> None:
-    """Three claims whose workers all vanished: the reclaim fails the job (UNKNOWN), dead letter and alert once."""
+def test_a_job_whose_worker_is_lost_every_time_fails_for_good(engine, submit, make_worker, clock, sandbox) -> None:
+    """Three claims whose workers all vanished: the reclaim fails the job (UNKNOWN), dead letter and alert once;
+    the first two lost leases gave their attempt back (counted in lost_leases, not as gateway attempts)."""
     job_id = submit()
     worker = make_worker()
     for _ in range(3):
@@ -59,7 +60,9 @@ def test_a_lease_lost_on_the_last_attempt_fails_the_job_for_good(engine, submit,
         clock.advance(3)
         worker.reclaim()
     failed = job(engine, job_id)
-    assert (failed.status, failed.error_code, failed.dead_letter, failed.attempt_count) == ("failed", "UNKNOWN", True, 3)
+    assert (failed.status, failed.error_code, failed.dead_letter, failed.attempt_count) == ("failed", "UNKNOWN", True, 1)
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT lost_leases FROM conversion_jobs")).scalar_one() == 3
     assert events(engine, job_id) == ["queued", "processing", "expired", "processing", "expired", "processing",
                                       "failed"]
     with engine.connect() as conn:

@@ -97,8 +97,9 @@ def test_check_xml_names_bad_answers_as_gw_4xx() -> None:
         assert policy.classify(caught.value).code == "GW_4XX"
 
 
-def test_reclaim_requeues_unless_it_was_the_last_attempt() -> None:
-    """003 §3.4 reclaim: an expired lease goes back to queued; on the last attempt it is a poison job and fails."""
+def test_reclaim_requeues_unless_the_worker_was_lost_every_time() -> None:
+    """003 §3.4 reclaim: an expired lease goes back to queued; the job that lost its worker as often as it has
+    attempts is a poison job and fails (issue 26: lost leases are counted apart from attempts)."""
     assert policy.reclaim_outcome(1, 3) == "requeue"
     assert policy.reclaim_outcome(2, 3) == "requeue"
     assert policy.reclaim_outcome(3, 3) == "fail"

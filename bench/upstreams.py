@@ -1,0 +1,241 @@
+"""Upstreams with latency and provider limits: what the shared limiter costs and what throughput it reaches.
+
+    python -m bench upstreams                          # both parts
+    BENCH_UPSTREAMS_ENTITIES=2000 python -m bench upstreams
+    python -m bench upstreams --part limiter           # or --part drain
+
+Part 1, the limiter's hot path (`redrive.upstreams`), per call, medians of rotated rounds in one thread:
+a call with no limits (no round trip), one bare `SELECT 1` transaction (the floor of any database round
+trip; BEGIN, SELECT and COMMIT are three), the same in autocommit (one), and acquire + release with a slot, with a slot and the rate ring, and with the retry budget too.
+Wall time and the machine's CPU per call (PostgreSQL's backends included).
+
+Part 2, a drain against the sandbox as the issue's provider: the LLM route answers after a lognormal
+latency (p50 1 s, p99 4 s) and enforces 64 concurrent and 50 requests/s (429 + Retry-After beyond).
+N entities of a core drain (one LLM call and one checkpoint each) are worked by 1, 2 and 4 drain
+processes sharing the queue (SKIP LOCKED) and the limits (`REDRIVE_UPSTREAM_LLM`). It reports entities/s
+against what the provider allows (the smaller of concurrency ÷ mean latency and the rate), the sandbox's
+peak concurrency and peak requests in any 1 s window, and how many requests it refused (must be 0).
+Not yet through `make serve`'s topology (daemon, run queue): the drains are plain processes here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+import sqlalchemy as sa
+
+from bench._support import machine_cpu, scratch_database
+from devstack.sandbox import SandboxClient
+from redrive import upstreams as up
+from redrive import work
+from redrive.clock import SystemClock
+from redrive.db import engine_for
+from redrive.upstream_policy import UpstreamLimits
+
+CALLS = int(os.environ.get("BENCH_UPSTREAMS_CALLS", "1500"))
+ROUNDS = 3
+ENTITIES = int(os.environ.get("BENCH_UPSTREAMS_ENTITIES", "1000"))
+LLM_P50, LLM_P99, LLM_CONCURRENT, LLM_RATE = 1.0, 4.0, 64, 50
+# the limiter's own setting for the LLM: the provider's concurrency, its rate a few percent under (the
+# limiter counts grants, the provider arrivals; docs/operating.md "Upstream limits")
+RATE_SHARE = float(os.environ.get("BENCH_UPSTREAMS_RATE_SHARE", "0.9"))
+LIMITS = UpstreamLimits(max_concurrent=LLM_CONCURRENT, rate_per_second=LLM_RATE * RATE_SHARE, lease_seconds=60)
+
+
+# ------------------------------------------------------------------------------------------ limiter
+
+
+def _contenders(engine: sa.Engine) -> dict[str, Callable[[], None]]:
+    big = {"max_concurrent": 64, "lease_seconds": 60}  # one thread holds one slot at a time
+    made = {
+        "slot": Upstreams_for(engine, UpstreamLimits(**big)),  # type: ignore[arg-type]
+        "slot + rate": Upstreams_for(engine, UpstreamLimits(**big, rate_per_second=10_000)),  # type: ignore[arg-type]
+        "slot + rate + retry budget": Upstreams_for(engine, UpstreamLimits(**big, rate_per_second=10_000,
+                                                                           retry_share=0.1)),  # type: ignore[arg-type]
+    }
+    bare = up.Upstreams(engine, {}, clock=SystemClock())
+
+    def select_one() -> None:
+        with engine.begin() as conn:
+            conn.execute(sa.text("SELECT 1"))
+
+    auto = engine.execution_options(isolation_level="AUTOCOMMIT")
+
+    def select_one_autocommit() -> None:
+        with auto.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+
+    out: dict[str, Callable[[], None]] = {
+        "no limits (straight through)": lambda: bare.call("llm", _noop),
+        "one SELECT 1 transaction (floor)": select_one,
+        "one SELECT 1, autocommit (1 round trip)": select_one_autocommit,
+    }
+    for name, limiter in made.items():
+        out[f"acquire + release: {name}"] = (lambda u: lambda: u.call("llm", _noop))(limiter)
+    return out
+
+
+def Upstreams_for(engine: sa.Engine, limits: UpstreamLimits) -> up.Upstreams:  # noqa: N802 - a factory
+    name = f"llm-{uuid.uuid4().hex[:6]}"
+    limiter = up.Upstreams(engine, {name: limits}, clock=SystemClock())
+    limiter.configure()
+    return _Renamed(limiter, name)  # type: ignore[return-value]
+
+
+class _Renamed:
+    """Calls "llm" on a limiter configured under a unique name (each contender has its own rows)."""
+
+    def __init__(self, limiter: up.Upstreams, name: str) -> None:
+        self.limiter, self.name = limiter, name
+
+    def call(self, _: str, fn: Callable[[], Any]) -> Any:
+        return self.limiter.call(self.name, fn)
+
+
+def _noop() -> None:
+    return None
+
+
+def limiter_part() -> dict[str, tuple[float, float]]:
+    with scratch_database("bench_upstreams_limiter") as url:
+        engine = engine_for(url)
+        contenders = _contenders(engine)
+        for run in contenders.values():  # warm-up: connections, plans
+            for _ in range(50):
+                run()
+        walls: dict[str, list[float]] = {n: [] for n in contenders}
+        cpus: dict[str, list[float]] = {n: [] for n in contenders}
+        names = list(contenders)
+        for r in range(ROUNDS):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                run = contenders[name]
+                cpu, started = machine_cpu(), time.perf_counter()
+                for _ in range(CALLS):
+                    run()
+                walls[name].append((time.perf_counter() - started) / CALLS)
+                cpus[name].append((machine_cpu() - cpu) / CALLS)
+    result = {n: (statistics.median(walls[n]), statistics.median(cpus[n])) for n in names}
+    print(f"limiter hot path, {CALLS} calls × {ROUNDS} rounds, one thread (medians per call):")
+    floor = result["one SELECT 1 transaction (floor)"][0]
+    for name, (wall, cpu) in result.items():
+        print(f"  {name:<44} {wall * 1e6:8.0f} µs wall  {cpu * 1e6:8.0f} µs machine CPU  "
+              f"{wall / floor:5.2f}× a SELECT 1")
+    return result
+
+
+# -------------------------------------------------------------------------------------------- drain
+
+
+def _drain_process(db_url: str, sandbox_url: str, owner: str, concurrency: int, out: Any) -> None:
+    from redrive.backoff import FixedSchedule
+    from redrive.drain import Attempt, Drain
+    from redrive.reliability import Reliability
+    from redrive.stages import StagePolicy
+    from resources.http import shared_client
+
+    engine = engine_for(db_url)
+    runtime = Reliability(engine=engine)
+    up.install(up.Upstreams(engine, {"llm": LIMITS}, clock=SystemClock()))
+    body = {"model": "m", "messages": [{"role": "user", "content": "critique this"}]}
+    url = f"{sandbox_url}/llm/v1/chat/completions"
+
+    def post() -> Any:
+        answer = shared_client().post(url, json=body, headers={"Authorization": "Bearer k"}, timeout=30)
+        answer.raise_for_status()
+        return answer.json()["id"]
+
+    def handle(attempt: Attempt) -> None:
+        attempt.stage("llm", lambda: {"id": up.guarded("llm", post)})
+
+    drain = Drain(reliability=runtime, pipeline="bench_upstreams", owner=owner, concurrency=concurrency,
+                  batch_size=concurrency, linger_seconds=1.0, max_seconds=900,
+                  policies={"llm": StagePolicy(max_attempts=5, backoff=FixedSchedule((1.0, 2.0, 4.0)))})
+    report = drain.run(handle)
+    out.put(report.as_metadata())
+
+
+def mean_lognormal(p50: float, p99: float) -> float:
+    sigma = math.log(p99 / p50) / 2.3263478740408408
+    return p50 * math.exp(sigma * sigma / 2)
+
+
+def drain_part(processes: tuple[int, ...] = tuple(int(n) for n in os.environ.get(
+        "BENCH_UPSTREAMS_PROCESSES", "1,2,4").split(","))) -> list[dict[str, Any]]:
+    sandbox = SandboxClient(os.environ["SANDBOX_URL"], timeout=30)
+    allowed = min(LLM_CONCURRENT / mean_lognormal(LLM_P50, LLM_P99), LLM_RATE)
+    rows = []
+    print(f"\ndrain against the LLM as a provider (p50 {LLM_P50} s, p99 {LLM_P99} s, {LLM_CONCURRENT} concurrent, "
+          f"{LLM_RATE}/s), {ENTITIES} entities; the provider allows {allowed:.1f}/s; "
+          f"limiter: {LIMITS.max_concurrent} slots, {LIMITS.rate_per_second:.0f}/s")
+    ctx = mp.get_context("spawn")
+    for n in processes:
+        sandbox.reset()
+        sandbox.set_profile("llm", p50=LLM_P50, p99=LLM_P99, max_concurrent=LLM_CONCURRENT,
+                            rate_per_second=LLM_RATE, seed=26)
+        with scratch_database(f"bench_upstreams_drain_{n}") as url:
+            engine = engine_for(url)
+            with engine.begin() as conn:
+                work.enqueue_many(conn, "bench_upstreams", [(f"e-{i}", None) for i in range(ENTITIES)],
+                                  now=SystemClock().now())
+            per_process = math.ceil(LLM_CONCURRENT * 1.25 / n)  # a little more than the slots: waiting is cheap
+            out = ctx.Queue()
+            cpu = machine_cpu()
+            procs = [ctx.Process(target=_drain_process, args=(url, sandbox.base_url, f"bench-{n}-{i}",
+                                                              per_process, out)) for i in range(n)]
+            for p in procs:
+                p.start()
+            reports = [out.get(timeout=1800) for _ in procs]
+            for p in procs:
+                p.join(30)
+            cpu = machine_cpu() - cpu
+            with engine.connect() as conn:
+                done = conn.execute(sa.text("SELECT count(*) FROM work_items WHERE status = 'done'")).scalar_one()
+        calls = sandbox.effects("llm.call")
+        stamps = sorted(e["at"] for e in calls)
+        from datetime import datetime
+
+        span = (datetime.fromisoformat(stamps[-1]) - datetime.fromisoformat(stamps[0])).total_seconds()
+        rate = (len(calls) - 1) / span if span > 0 else float("nan")
+        meter = sandbox.meters("llm")
+        reasons: dict[str, int] = {}
+        for record in sandbox.requests("llm"):
+            if record["step"].startswith("limited:"):
+                reasons[record["step"]] = reasons.get(record["step"], 0) + 1
+        row = {"processes": n, "in_flight_per_process": per_process, "done": done, "llm_calls": len(calls),
+               "entities_per_s": rate, "ratio_to_allowed": rate / allowed, "peak_concurrency":
+               meter["peak_concurrency"], "peak_rate": meter["peak_rate_per_second"],
+               "refused_429": meter["limited"], "cpu_ms_per_entity": cpu / max(1, done) * 1000,
+               "deferred": sum(r["deferred"] for r in reports), "lease_lost": sum(r["lease_lost"] for r in reports)}
+        rows.append(row)
+        print(f"  {n} process(es) × {per_process} in flight: {done}/{ENTITIES} done, {rate:5.1f} entities/s = "
+              f"{rate / allowed:4.2f} of allowed; sandbox peak {meter['peak_concurrency']} concurrent, "
+              f"{meter['peak_rate_per_second']} in 1 s; refused {meter['limited']} {reasons or ''}; "
+              f"machine CPU {row['cpu_ms_per_entity']:.1f} ms/entity", flush=True)
+    print(f"  what caps it: the provider's rate ({LLM_RATE}/s; the limiter grants {LIMITS.rate_per_second:.0f}/s) — concurrency ÷ latency "
+          f"({LLM_CONCURRENT / mean_lognormal(LLM_P50, LLM_P99):.1f}/s) is above it")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench upstreams")
+    parser.add_argument("--part", choices=["limiter", "drain", "all"], default="all")
+    args = parser.parse_args(argv or [])
+    print(f"machine: {psutil.cpu_count()} cores")
+    if args.part in ("limiter", "all"):
+        limiter_part()
+    if args.part in ("drain", "all"):
+        rows = drain_part()
+        bad = [r for r in rows if r["refused_429"] or r["done"] != ENTITIES]
+        if bad:
+            print(f"FAILED: refused requests or entities not done: {bad}")
+            return 1
+    return 0

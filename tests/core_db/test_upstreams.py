@@ -1,0 +1,261 @@
+"""Upstream limits shared through PostgreSQL: slots with leases, the rate ring, shared pauses, the retry budget."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from redrive import upstreams as up
+from redrive.clock import FrozenClock
+from redrive.upstreams import RetryDeferred, UpstreamLimits, Upstreams, retry_allowance, retrying
+
+START = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
+
+
+class Stuck(Exception):
+    """Raised by a sleep that refuses to wait: the caller would have waited."""
+
+
+def refuse(_: float) -> None:
+    raise Stuck
+
+
+def limiter(engine: sa.Engine, clock: FrozenClock, sleep=None, **limits: object) -> Upstreams:  # type: ignore[no-untyped-def]
+    return Upstreams(engine, {"llm": UpstreamLimits(**limits)}, clock=clock, sleep=sleep or clock.sleep)  # type: ignore[arg-type]
+
+
+def test_slots_are_shared_and_a_dead_holders_slot_returns_when_its_lease_ends(engine: sa.Engine) -> None:
+    """Two workers share 2 slots: a third acquire waits; a slot never released comes back after its lease."""
+    clock = FrozenClock(START)
+    first = limiter(engine, clock, sleep=refuse, max_concurrent=2, lease_seconds=30)
+    second = limiter(engine, clock, sleep=refuse, max_concurrent=2, lease_seconds=30)
+    a = first.acquire("llm", first.limits["llm"])
+    b = second.acquire("llm", second.limits["llm"])
+    assert {a.slot, b.slot} == {1, 2}
+    with pytest.raises(Stuck):
+        second.acquire("llm", second.limits["llm"])
+    with engine.connect() as conn:
+        state = up.states(conn, clock.now())[0]
+    assert (state.slots_in_use, state.waiting) == (2, 1)
+    clock.advance(31)  # `a`'s holder died: never released
+    second._release(b)
+    c = second.acquire("llm", second.limits["llm"])
+    d = second.acquire("llm", second.limits["llm"])
+    assert {c.slot, d.slot} == {1, 2}
+    with engine.connect() as conn:
+        assert up.states(conn, clock.now())[0].waiting == 0  # the waiter's row went with its grant
+
+
+def test_waiting_for_a_slot_only_waits(engine: sa.Engine) -> None:
+    """A full upstream is polled (the injected sleep) until a slot frees; the call then runs once."""
+    clock = FrozenClock(START)
+    holder = limiter(engine, clock, max_concurrent=1, lease_seconds=5)
+    held = holder.acquire("llm", holder.limits["llm"])
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        clock.advance(seconds)
+        if len(waits) == 3:
+            holder._release(held)
+
+    waiter = limiter(engine, clock, sleep=sleep, max_concurrent=1, lease_seconds=5)
+    calls = []
+    assert waiter.call("llm", lambda: calls.append(1) or "answer") == "answer"
+    assert len(waits) == 3 and calls == [1]
+
+
+def test_grants_are_spaced_by_the_rate_across_workers(engine: sa.Engine) -> None:
+    """At 3/s across two workers: one grant, the next only 1/3 s later, whoever asks; so any 1 s holds 3."""
+    clock = FrozenClock(START)
+    workers = [limiter(engine, clock, sleep=refuse, rate_per_second=3) for _ in range(2)]
+    limits = workers[0].limits["llm"]
+    workers[0].acquire("llm", limits)
+    with pytest.raises(Stuck):
+        workers[1].acquire("llm", limits)
+    clock.advance(0.33)
+    with pytest.raises(Stuck):
+        workers[0].acquire("llm", limits)
+    granted = []
+    for i in range(4):
+        clock.advance(1 / 3 if i else 0.004)
+        workers[i % 2].acquire("llm", limits)
+        granted.append(clock.now())
+    assert (granted[3] - granted[0]).total_seconds() >= 1.0 - 1e-5  # 4 grants never fit in one second
+
+
+def test_a_burst_lets_that_many_grants_come_at_once(engine: sa.Engine) -> None:
+    """2/s with a burst of 3: three grants at one instant, then the next half a second later."""
+    clock = FrozenClock(START)
+    worker = limiter(engine, clock, sleep=refuse, rate_per_second=2, rate_burst=3)
+    for _ in range(3):
+        worker.acquire("llm", worker.limits["llm"])
+    with pytest.raises(Stuck):
+        worker.acquire("llm", worker.limits["llm"])
+    clock.advance(0.5)
+    worker.acquire("llm", worker.limits["llm"])
+
+
+def test_a_fractional_rate_spreads_grants(engine: sa.Engine) -> None:
+    """0.5/s grants one call, then the next only 2 s later."""
+    clock = FrozenClock(START)
+    worker = limiter(engine, clock, sleep=refuse, rate_per_second=0.5)
+    worker.acquire("llm", worker.limits["llm"])
+    clock.advance(1.9)
+    with pytest.raises(Stuck):
+        worker.acquire("llm", worker.limits["llm"])
+    clock.advance(0.1)
+    worker.acquire("llm", worker.limits["llm"])
+
+
+def test_a_429_pauses_the_upstream_for_every_worker(engine: sa.Engine, sandbox) -> None:  # type: ignore[no-untyped-def]
+    """One worker's 429 with Retry-After 7 holds another worker's next call for those 7 s; the 429 is waited
+    out and sent again, not failed."""
+    clock = FrozenClock(START)
+    sandbox.script("llm", {"status": 429, "headers": {"Retry-After": "7"}})
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        clock.advance(seconds)
+
+    one = limiter(engine, clock, sleep=sleep, max_concurrent=4)
+    other = limiter(engine, clock, sleep=refuse, max_concurrent=4)
+
+    def chat() -> int:
+        with httpx.Client() as client:
+            answer = client.post(sandbox.url("/llm/v1/chat/completions"), headers={"Authorization": "Bearer k"},
+                                 json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+            answer.raise_for_status()
+            return answer.status_code
+
+    paused_at = clock.now()
+    with pytest.raises(Stuck):
+        # `one` got the 429 and is waiting it out; meanwhile `other` is held too
+        one.sleep = lambda s: (_ for _ in ()).throw(Stuck())  # type: ignore[assignment]
+        one.call("llm", chat)
+    with pytest.raises(Stuck):
+        other.call("llm", chat)
+    with engine.connect() as conn:
+        state = up.states(conn, clock.now())[0]
+    assert state.paused_seconds_left == pytest.approx(7.0) and state.pauses == 1
+    one.sleep = sleep
+    assert one.call("llm", chat) == 200
+    assert sum(waits) >= 7.0 and (clock.now() - paused_at).total_seconds() >= 7.0
+    assert [r["status"] for r in sandbox.requests("llm")] == [429, 200]  # `other` sent nothing while paused
+
+
+def test_retry_allowance_is_a_share_of_calls_plus_a_floor() -> None:
+    """10 % of 200 calls plus 1/s over 10 s: 30 retries."""
+    policy = UpstreamLimits(retry_share=0.1, retry_floor_per_second=1, retry_window_seconds=10)
+    assert retry_allowance(200, policy) == 30
+    assert retry_allowance(0, policy) == 10
+
+
+def test_over_the_budget_a_retry_is_deferred_not_sent_and_alerts_once(engine: sa.Engine) -> None:
+    """Share 10 %, floor 0.2/s over 10 s: after 20 first calls, 4 retries go out (0.1·24 + 2 ≥ 4), the
+    next is refused before sending; many refusals in one episode call the alert hook once."""
+    clock = FrozenClock(START)
+    alerts: list[str] = []
+    worker = Upstreams(engine, {"llm": UpstreamLimits(retry_share=0.1, retry_floor_per_second=0.2,
+                                                      retry_window_seconds=10)},
+                       clock=clock, sleep=refuse, on_exhausted=alerts.append)
+    sent: list[str] = []
+    for i in range(20):
+        worker.call("llm", lambda i=i: sent.append(f"first-{i}"))
+    for i in range(4):
+        with retrying():
+            worker.call("llm", lambda i=i: sent.append(f"retry-{i}"))
+    for _ in range(5):
+        with retrying(), pytest.raises(RetryDeferred) as deferred:
+            worker.call("llm", lambda: sent.append("not sent"))
+        clock.advance(0.5)
+    assert "not sent" not in sent and len(sent) == 24
+    assert deferred.value.upstream == "llm" and deferred.value.wait == 10
+    assert alerts == ["llm"]
+    clock.advance(30)  # the window emptied: retries flow again, and a new exhaustion is a new episode
+    with retrying():
+        worker.call("llm", lambda: sent.append("retry-later"))
+    with engine.connect() as conn:
+        state = up.states(conn, clock.now())[0]
+    assert (state.retries_denied, state.budget_episodes) == (5, 1)
+
+
+def test_only_the_first_call_of_a_retrying_entity_is_a_retry(engine: sa.Engine) -> None:
+    """Once a retry is granted, the entity's further calls are ordinary calls."""
+    clock = FrozenClock(START)
+    worker = Upstreams(engine, {"llm": UpstreamLimits(retry_share=0.0, retry_floor_per_second=0.1,
+                                                      retry_window_seconds=10)}, clock=clock, sleep=refuse)
+    with retrying():
+        worker.call("llm", lambda: None)  # the floor allows 1
+        worker.call("llm", lambda: None)  # not a retry any more
+    with retrying(), pytest.raises(RetryDeferred):
+        worker.call("llm", lambda: None)
+
+
+def test_unconfigured_upstreams_cost_no_round_trip(engine: sa.Engine) -> None:
+    """A name without limits calls straight through and writes nothing."""
+    worker = Upstreams(engine, {"llm": UpstreamLimits()}, clock=FrozenClock(START), sleep=refuse)
+    assert worker.call("llm", lambda: 5) == 5 and worker.call("mail", lambda: 6) == 6
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(up.upstream_limits)).scalar_one() == 0
+
+
+def test_the_drain_defers_a_retry_over_the_budget_without_spending_an_attempt(engine: sa.Engine) -> None:
+    """Two entities whose last attempt failed, a budget with room for one retry: one retry is sent and
+    done; the other is not sent, falls due later with its attempts unchanged, and one alert is written."""
+    from redrive import work
+    from redrive.backoff import FixedSchedule
+    from redrive.drain import Attempt, Drain
+    from redrive.reliability import Reliability
+    from redrive.schema import alerts, work_items
+    from redrive.stages import StagePolicy
+
+    clock = FrozenClock(START)
+    runtime = Reliability(engine=engine, clock=clock)
+    budget = Upstreams(engine, {"llm": UpstreamLimits(retry_share=0.0, retry_floor_per_second=0.1,
+                                                      retry_window_seconds=10)},
+                       clock=clock, sleep=refuse, on_exhausted=runtime.retry_budget_exhausted)
+    with engine.begin() as conn:
+        for ref in ("a", "b"):
+            work.enqueue(conn, "demo", ref, now=clock.now())
+        conn.execute(sa.update(work_items).values(stage="llm", attempts={"llm": 1}))  # each failed once
+    sent: list[str] = []
+
+    def handle(attempt: Attempt) -> None:
+        attempt.stage("llm", lambda: {"answer": up.guarded("llm", lambda: sent.append(attempt.entity_ref))})
+
+    up.install(budget)
+    try:
+        report = Drain(reliability=runtime, pipeline="demo", owner="t", concurrency=1, linger_seconds=0,
+                       policies={"llm": StagePolicy(max_attempts=2, backoff=FixedSchedule((5.0,)))},
+                       sleep=clock.sleep).run(handle)
+    finally:
+        up.install(None)
+    assert len(sent) == 1 and (report.done, report.deferred, report.dead_lettered) == (1, 1, 0)
+    with engine.connect() as conn:
+        deferred = conn.execute(sa.select(work_items).where(work_items.c.status == "due")).one()
+        kinds = conn.execute(sa.select(alerts.c.kind)).scalars().all()
+    assert deferred.entity_ref not in sent and deferred.attempts == {"llm": 1}  # no attempt spent
+    assert 5 <= (deferred.due_at - clock.now()).total_seconds() <= 15
+    assert "retry budget" in deferred.last_error
+    assert kinds == ["retry_budget_exhausted"]
+
+
+def test_metrics_show_slots_in_use_and_waiting_per_upstream(engine: sa.Engine) -> None:
+    """The scrape shows the held slot, the waiter and the limit of the upstream."""
+    from redrive import metrics
+
+    clock = FrozenClock(START)
+    worker = limiter(engine, clock, sleep=refuse, max_concurrent=1)
+    worker.acquire("llm", worker.limits["llm"])
+    with pytest.raises(Stuck):
+        worker.acquire("llm", worker.limits["llm"])
+    samples = {(s.name, s.labels.get("upstream")): s.value
+               for family in metrics.registry(engine, clock, []).collect() for s in family.samples}
+    assert samples[("redrive_upstream_slots_in_use", "llm")] == 1
+    assert samples[("redrive_upstream_slots_limit", "llm")] == 1
+    assert samples[("redrive_upstream_waiting", "llm")] == 1
