@@ -175,6 +175,18 @@ def active_for(conn: sa.Connection, pipeline: str, entity_ref: str) -> DeadLette
     return DeadLetter.from_row(row) if row else None
 
 
+def active_under(conn: sa.Connection, pipeline: str, entity_ref: str) -> list[str]:
+    """The entities with an active dead letter that are `entity_ref` or under it (`{entity_ref}:…`), sorted:
+    e.g. the users of a matchmaking partition that are not done (issue 27: such a partition is not green)."""
+    prefix = f"{entity_ref}:"
+    return list(conn.execute(
+        sa.select(dead_letters.c.entity_ref).where(
+            dead_letters.c.pipeline == pipeline, dead_letters.c.status != RESOLVED,
+            sa.or_(dead_letters.c.entity_ref == entity_ref,
+                   sa.func.left(dead_letters.c.entity_ref, len(prefix)) == prefix))
+        .order_by(dead_letters.c.entity_ref)).scalars())
+
+
 def list_(conn: sa.Connection, flt: Filter = Filter()) -> list[DeadLetter]:
     """Dead letters by filter, newest failure first (the same query `redrive dlq list` runs on psycopg2)."""
     return [DeadLetter.from_row(r) for r in conn.exec_driver_sql(LIST_SQL, list_params(flt))]

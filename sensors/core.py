@@ -391,16 +391,24 @@ def dead_letter_reconciliation_sensor(sources: Mapping[str, FailedForGood], *, l
     return _sensor
 
 
+BACKLOG_REFRESH_SECONDS = 300.0
+
+
 def pipeline_backlog_sensor(pipelines: Sequence[str], sources: Mapping[str, PipelineSource], max_age_hours: float,
-                            max_wait_seconds: float, minimum_interval_seconds: int = 300) -> dg.SensorDefinition:
+                            max_wait_seconds: float, minimum_interval_seconds: int = 30,
+                            refresh_seconds: float = BACKLOG_REFRESH_SECONDS) -> dg.SensorDefinition:
     @dg.sensor(name="redrive_pipeline_backlog", minimum_interval_seconds=minimum_interval_seconds,
                default_status=dg.DefaultSensorStatus.RUNNING,
-               description="Reports every pipeline's backlog checks (stale dead letters, stuck due work) on its "
-                           "`<pipeline>_backlog` asset every 5 minutes, without starting a run.")
+               description="Reports every pipeline's backlog checks (open and stale dead letters, stuck due work) "
+                           f"on its `<pipeline>_backlog` asset: a change on the next tick ({minimum_interval_seconds} "
+                           f"s), every check every {refresh_seconds / 60:g} minutes; never starts a run.")
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
-        found = backlog.verdicts(reliability.runtime(), pipelines, sources, max_age_hours, max_wait_seconds)
+        runtime = reliability.runtime()
+        found = backlog.verdicts(runtime, pipelines, sources, max_age_hours, max_wait_seconds)
         failing = [f"{p}: {v.check}" for p, vs in found.items() for v in vs if not v.passed]
-        context.log.info(f"backlog checks: {', '.join(failing) or 'all passing'}")
-        return dg.SensorResult(asset_events=backlog.evaluations(found))
+        events, cursor = backlog.news(found, json.loads(context.cursor or "{}"), runtime.now().timestamp(),
+                                      refresh_seconds)
+        context.log.info(f"backlog checks: {', '.join(failing) or 'all passing'}; {len(events)} reported")
+        return dg.SensorResult(asset_events=events, cursor=json.dumps(cursor, sort_keys=True))
 
     return _sensor
