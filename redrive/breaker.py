@@ -186,8 +186,10 @@ def get_state(conn: sa.Connection, name: str) -> BreakerState:
 
 
 def all_states(conn: sa.Connection) -> list[BreakerState]:
-    """Every breaker that has guarded a call, by name (what `redrive breaker` shows)."""
-    names = conn.execute(sa.select(circuit_breakers.c.name).order_by(circuit_breakers.c.name)).scalars().all()
+    """Every breaker that has guarded a call, by name (what `redrive breaker` shows): one that has opened has a
+    row of its own, one that never opened only its calls (issue 27: it was missing from the list)."""
+    names = conn.execute(sa.union(sa.select(circuit_breakers.c.name),
+                                  sa.select(breaker_calls.c.breaker).distinct()).order_by("name")).scalars().all()
     return [get_state(conn, name) for name in names]
 
 

@@ -25,7 +25,7 @@ from redrive.drain_ops import DRAIN_TAG
 from redrive.failures import Code, Failure
 from redrive.metrics import PipelineSource
 from redrive.reconcile import FailedForGood, reconcile
-from redrive.run_keys import run_key
+from redrive.run_keys import REPLAY_SENSOR, due_work_sensor_name, run_key
 from redrive.sanitize import sanitize_text
 from redrive.stages import DEAD_LETTERED_TAG, DEFERRED_TAG, EXPECTED_FAILURE_TAG
 from redrive.timers import Timer
@@ -298,7 +298,7 @@ def dead_letter_replay_sensor(targets: Mapping[str, ReplayTarget], *, limit: int
     which is idempotent."""
     jobs = list({t.job_name: t.job for t in targets.values()}.values())
 
-    @dg.sensor(name="redrive_dead_letter_replays", jobs=jobs, minimum_interval_seconds=minimum_interval_seconds, default_status=dg.DefaultSensorStatus.RUNNING,
+    @dg.sensor(name=REPLAY_SENSOR, jobs=jobs, minimum_interval_seconds=minimum_interval_seconds, default_status=dg.DefaultSensorStatus.RUNNING,
                description="Starts runs for the dead letters an operator asked to replay (`redrive dlq replay`): "
                            "one per letter, or one per pipeline and partition where replay is a requeue.")
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
@@ -334,7 +334,7 @@ def due_work_sensor(pipeline: str, job: dg.JobDefinition, *, by_partition: bool 
     file job) with due rows, on that group's partition, at most one active run per partition.
     """
 
-    @dg.sensor(name=f"{pipeline}_due_work", job=job, minimum_interval_seconds=minimum_interval_seconds,
+    @dg.sensor(name=due_work_sensor_name(pipeline), job=job, minimum_interval_seconds=minimum_interval_seconds,
                default_status=dg.DefaultSensorStatus.RUNNING,
                description=f"Starts a drain run of {pipeline} when entities in its work queue are due "
                            "(new work, retries falling due, dead-letter replays); one run per round, never one "
