@@ -130,9 +130,9 @@ def json_option(f: Any) -> Any:
 
 @contextmanager
 def database_url() -> Iterator[str]:
-    """DATABASE_URL as it is (the deployed case: no settings, no Dagster import); unset, the embedded server for
-    this command."""
-    url = os.environ.get("DATABASE_URL")
+    """DATABASE_URL as it is (the deployed case: no settings, no Dagster import); unset, the database of a running
+    `make serve` (its .data/serve.env: no server to start, issue 27); else the embedded server for this command."""
+    url = os.environ.get("DATABASE_URL") or served_database_url()
     if url:
         yield url
         return
@@ -141,6 +141,14 @@ def database_url() -> Iterator[str]:
 
     with database_session(Settings()) as url:
         yield url
+
+
+def served_database_url() -> str | None:
+    """The DATABASE_URL of a `make serve` that is running (devstack.serve_env), or None."""
+    from devstack import serve_env
+
+    served = serve_env.running()
+    return served.get("DATABASE_URL") if served else None
 
 
 @contextmanager
@@ -277,7 +285,7 @@ def dlq_show(dead_letter_id: int, as_json: bool) -> None:
 @json_option
 def dlq_replay(dead_letter_id: int, note: str | None, confirm_safe: bool, from_start: bool, operator: str,
                as_json: bool) -> None:
-    """Replay from the failed stage after remediation; the replay sensor starts the run."""
+    """Replay from the failed stage after remediation; a sensor starts the run (the message says which)."""
     from redrive import deadletters
     from redrive.clock import SystemClock
     from redrive.deadletters import ReplayRefused
@@ -286,6 +294,7 @@ def dlq_replay(dead_letter_id: int, note: str | None, confirm_safe: bool, from_s
         with connection() as conn:
             letter = deadletters.request_replay(conn, dead_letter_id, evidence=note, confirm_safe=confirm_safe,
                                                 at=SystemClock().now(), operator=operator, from_start=from_start)
+            drained = deadletters.is_drained(conn, letter.pipeline, letter.entity_ref)
     except ReplayRefused as refused:
         fail(str(refused))
     if as_json:
@@ -293,7 +302,16 @@ def dlq_replay(dead_letter_id: int, note: str | None, confirm_safe: bool, from_s
     else:
         where = "all stages" if from_start else f"stage {letter.stage}"
         click.echo(f"dead letter {letter.id}: replay {letter.replay_count} requested from {where}; "
-                   "the redrive_dead_letter_replays sensor starts the run")
+                   f"{replay_starter(letter.pipeline, drained)}")
+
+
+def replay_starter(pipeline: str, drained: bool) -> str:
+    """Pure: who runs a requested replay: a drained entity's work row falls due, anything else gets a run."""
+    from redrive.run_keys import REPLAY_SENSOR, due_work_sensor_name
+
+    if drained:
+        return f"its work row is due now: the {due_work_sensor_name(pipeline)} sensor's next drain run replays it"
+    return f"the {REPLAY_SENSOR} sensor starts the run"
 
 
 @dlq.command("replay-bulk")
@@ -388,7 +406,7 @@ def breaker_status(window: int, as_json: bool) -> None:
         click.echo(json.dumps(out, default=str, indent=2))
         return
     if not out:
-        click.echo("no breaker has guarded a call yet")
+        click.echo("no breaker has recorded a call yet")
     for b in out:
         since = f" since {b['opened_at']:%Y-%m-%d %H:%M:%S}" if b["state"] == "open" else ""
         probe = f", last probe {b['last_probe_at']:%H:%M:%S}" if b["last_probe_at"] else ""

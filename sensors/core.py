@@ -408,7 +408,8 @@ def pipeline_backlog_sensor(pipelines: Sequence[str], sources: Mapping[str, Pipe
         failing = [f"{p}: {v.check}" for p, vs in found.items() for v in vs if not v.passed]
         events, cursor = backlog.news(found, json.loads(context.cursor or "{}"), runtime.now().timestamp(),
                                       refresh_seconds)
-        context.log.info(f"backlog checks: {', '.join(failing) or 'all passing'}; {len(events)} reported")
+        if events:  # a tick that reports nothing new says nothing (every 30 s)
+            context.log.info(f"backlog checks: {', '.join(failing) or 'all passing'}; {len(events)} reported")
         return dg.SensorResult(asset_events=events, cursor=json.dumps(cursor, sort_keys=True))
 
     return _sensor
