@@ -7,6 +7,7 @@
     redrive dlq resolve ID --note "redone by hand"
     redrive dlq reconcile [--limit N]
     redrive breaker [--window N] [--json]
+    redrive rehearse list | RECIPE… | all       (on a running `make serve`)
     redrive alerts dispatch
     redrive db upgrade | downgrade
     redrive metrics serve [--host H] [--port P]
@@ -386,6 +387,31 @@ def dlq_reconcile(limit: int) -> None:
     for r in repaired:
         click.echo(f"{r.pipeline} {r.entity_ref}: dead letter {r.dead_letter_id} written")
     click.echo(f"{len(repaired)} repaired ({', '.join(sources)} checked)")
+
+
+@app.command("rehearse")
+@click.argument("recipes", nargs=-1)
+@click.option("--timeout", type=float, default=180.0, help="seconds to wait for each armed failure to happen")
+def rehearse(recipes: tuple[str, ...], timeout: float) -> None:
+    """Arm a failure to practise a runbook on, on a running `make serve`: `redrive rehearse list`, then
+    `eval "$(redrive rehearse RECIPE)"` sets the runbook's shell variables ($LETTER, …)."""
+    from orchestration import rehearse as r
+
+    if not recipes or list(recipes) == ["list"]:
+        width = max(len(x.name) for x in r.RECIPES)
+        for x in r.RECIPES:
+            click.echo(f"{x.name:<{width}}  {x.fault}; for: {'; '.join(x.sections)}")
+        return
+    try:
+        names = list(recipes)
+        for name in names if names != ["all"] else []:
+            r.recipe(name)  # an unknown name fails before anything is seeded
+        click.echo(f"rehearse: arming {', '.join(names)} and waiting for the stack to meet it …", err=True)
+        values = r.arm(names, r.stack_env(), timeout=timeout)
+    except r.RehearsalError as refused:
+        fail(str(refused))
+    click.echo(r.exports(values))
+    click.echo("rehearse: done; the runbooks of docs/operating.md can now be followed as written", err=True)
 
 
 @app.command("breaker")
