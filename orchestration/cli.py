@@ -1,6 +1,8 @@
 """`redrive`: the operator's command for dead letters, alerts and the schema.
 
-    redrive dlq list [--pipeline P] [--error-class C] [--status S] [--json]
+    redrive dlq list [--pipeline P] [--error-class C] [--status S] [--entity E] [--search T] [--group F] [--json]
+    redrive dlq groups [--pipeline P] [--json]
+    redrive dlq replay-group F --note "INC-123: key rotated" --confirm-safe [--rate 2]
     redrive dlq show ID [--json]
     redrive dlq replay ID --note "INC-123: key rotated" --confirm-safe [--from-start]
     redrive dlq replay-bulk --pipeline P --error-class C [--since …] --rate 2 --note … --confirm-safe
@@ -246,21 +248,52 @@ def parse_time(value: str | None) -> datetime | None:
 @click.option("--pipeline", help="only this pipeline")
 @click.option("--error-class", help="only this error class")
 @click.option("--status", multiple=True, help="open, replaying, escalated, resolved")
+@click.option("--entity", help="this entity, or the entities under it (a partition's users, a file job's rows)")
+@click.option("--search", help="text in the message, entity, stage or error class (any case)")
+@click.option("--group", "fingerprint", help="one root cause: a fingerprint `redrive dlq groups` shows")
 @click.option("--limit", type=int, default=100)
 @json_option
-def dlq_list(pipeline: str | None, error_class: str | None, status: tuple[str, ...], limit: int,
-             as_json: bool) -> None:
-    """Dead letters, newest failure first (open and escalated by default)."""
+def dlq_list(pipeline: str | None, error_class: str | None, status: tuple[str, ...], entity: str | None,
+             search: str | None, fingerprint: str | None, limit: int, as_json: bool) -> None:
+    """Dead letters, newest failure first (open, replaying and escalated by default)."""
     check_pipeline(pipeline)
     check_statuses(status or [])
     from redrive import deadletter_reads as reads
 
     flt = reads.Filter(pipeline=pipeline, error_class=error_class,
                        statuses=tuple(status) if status else (reads.OPEN, reads.ESCALATED, reads.REPLAYING),
-                       limit=limit)
+                       limit=limit, entity=entity, search=search, fingerprint=fingerprint)
     with reading() as cursor:
         rows = reads.list_(cursor, flt)
     click.echo(json.dumps([r.as_json() for r in rows], default=str, indent=2) if as_json else table(rows))
+
+
+@dlq.command("groups")
+@click.option("--pipeline", help="only this pipeline")
+@click.option("--status", multiple=True, help="open, replaying, escalated, resolved (default: all but resolved)")
+@click.option("--limit", type=int, default=50)
+@json_option
+def dlq_groups(pipeline: str | None, status: tuple[str, ...], limit: int, as_json: bool) -> None:
+    """Dead letters by root cause (pipeline, stage, error class, fingerprint of the message): counts, first and
+    last seen, a sample. `dlq list --group F` lists one; `dlq replay-group F` replays it."""
+    check_pipeline(pipeline)
+    check_statuses(status or [])
+    from redrive import deadletter_reads as reads
+
+    flt = reads.Filter(pipeline=pipeline, limit=limit,
+                       statuses=tuple(status) if status else (reads.OPEN, reads.ESCALATED, reads.REPLAYING))
+    with reading() as cursor:
+        found = reads.groups(cursor, flt)
+    if as_json:
+        click.echo(json.dumps([g.as_json() for g in found], indent=2))
+        return
+    headers = ["group", "pipeline", "stage", "error_class", "letters", "first_seen", "last_seen", "sample"]
+    data = [[g.fingerprint, g.pipeline, g.stage, g.error_class, str(g.letters), f"{g.first_seen:%Y-%m-%d %H:%M}",
+             f"{g.last_seen:%Y-%m-%d %H:%M}", f"#{g.sample_id} {g.sample_entity}: {g.sample_message}"[:90]]
+            for g in found]
+    widths = [max(len(h), *(len(r[i]) for r in data)) if data else len(h) for i, h in enumerate(headers)]
+    for row in [headers, ["-" * w for w in widths], *data]:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
 @dlq.command("show")
@@ -274,7 +307,24 @@ def dlq_show(dead_letter_id: int, as_json: bool) -> None:
         letter = reads.get(cursor, dead_letter_id)
     if letter is None:
         fail(f"dead letter {dead_letter_id} does not exist")
-    click.echo(json.dumps(letter.as_json(), default=str, indent=2) if as_json else show_text(letter))
+    url = run_url(letter.run_id)
+    if as_json:
+        click.echo(json.dumps({**letter.as_json(), "run_url": url}, default=str, indent=2))
+    else:
+        click.echo(show_text(letter) if url is None else show_text(letter).replace(
+            f"           run_id: {letter.run_id}", f"           run_id: {letter.run_id}\n          run_url: {url}", 1))
+
+
+def run_url(run_id: str | None) -> str | None:
+    """The run's page in the Dagster UI: DAGSTER_UI_URL, else a running serve's, else Dagster's default port."""
+    if not run_id:
+        return None
+    base = os.environ.get("DAGSTER_UI_URL")
+    if not base:
+        from devstack import serve_env
+
+        base = (serve_env.running() or {}).get("DAGSTER_UI_URL", "http://localhost:3000")
+    return f"{base.rstrip('/')}/runs/{run_id}"
 
 
 @dlq.command("replay")
@@ -324,10 +374,27 @@ def replay_starter(pipeline: str, drained: bool) -> str:
 @click.option("--until", help="ISO time, exclusive")
 @click.option("--rate", type=float, default=1.0, help="replays requested per second")
 @click.option("--limit", type=int, default=1000)
+@click.option("--group", "fingerprint", help="only this root cause (a fingerprint of `redrive dlq groups`)")
 def dlq_replay_bulk(pipeline: str, note: str, confirm_safe: bool, error_class: str | None, since: str | None,
-                    until: str | None, rate: float, limit: int) -> None:
+                    until: str | None, rate: float, limit: int, fingerprint: str | None) -> None:
     """Replay many dead letters by filter at a bounded rate, so a recovered upstream is not flooded."""
     check_pipeline(pipeline)
+    _replay_bulk(pipeline, note, confirm_safe, error_class, since, until, rate, limit, fingerprint)
+
+
+@dlq.command("replay-group")
+@click.argument("fingerprint")
+@click.option("--note", required=True, help="remediation evidence")
+@click.option("--confirm-safe", is_flag=True)
+@click.option("--rate", type=float, default=1.0, help="replays requested per second")
+@click.option("--limit", type=int, default=1000)
+def dlq_replay_group(fingerprint: str, note: str, confirm_safe: bool, rate: float, limit: int) -> None:
+    """Replay every open letter of one root cause (`redrive dlq groups`), throttled like replay-bulk."""
+    _replay_bulk(None, note, confirm_safe, None, None, None, rate, limit, fingerprint)
+
+
+def _replay_bulk(pipeline: str | None, note: str, confirm_safe: bool, error_class: str | None, since: str | None,
+                 until: str | None, rate: float, limit: int, fingerprint: str | None) -> None:
     import time
 
     from redrive import deadletters
@@ -336,7 +403,7 @@ def dlq_replay_bulk(pipeline: str, note: str, confirm_safe: bool, error_class: s
     from redrive.db import engine_for
 
     flt = deadletters.Filter(pipeline=pipeline, error_class=error_class, since=parse_time(since),
-                             until=parse_time(until), limit=limit)
+                             until=parse_time(until), limit=limit, fingerprint=fingerprint)
     with database_url() as url:
         report = bulk_replay(engine_for(url), flt, evidence=note, confirm_safe=confirm_safe, rate=rate,
                              clock=SystemClock(), sleep=time.sleep)

@@ -190,6 +190,55 @@ def undeliverable_recipient(r: Rehearsal) -> dict[str, str]:
     return {"CHANGELIST": key, "DELIVERY": str(delivery)}
 
 
+def evidence_zip(r: Rehearsal) -> dict[str, str]:
+    """An evidence ZIP in the inbox (the bucket made if a fresh stack has none) with a row naming a file that is not
+    in the ZIP (S3_NOT_FOUND) and a malformed row; the case API answers its attaches 503 for a while: the first
+    pass sends N1 and the rows wait for their retry (004 §3), ready to force N2."""
+    import csv
+    import io
+    import zipfile
+    from uuid import UUID
+
+    import boto3
+
+    from assets.evidence import policy
+    from assets.evidence import repository as repo
+    from assets.evidence.settings import EvidenceSettings
+    from redrive.settings import Settings
+    from resources.aws import ensure_bucket
+
+    cases = [str(uuid.uuid5(policy.NAMESPACE, f"rehearse-{r.tag}-case-{i}")) for i in range(2)]
+    rows = [[cases[0], "case0/invoice.pdf;case0/not-in-the-zip.pdf"], [cases[1], "case1/receipt.pdf"],
+            ["not-a-case-id", "x.pdf"]]
+    text = io.StringIO()
+    csv.writer(text, lineterminator="\n").writerows([["case_id", "evidence_files"], *rows])
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("manifest.csv", text.getvalue())
+        for name in ("case0/invoice.pdf", "case1/receipt.pdf"):
+            zf.writestr(name, b"%PDF-1.4\n% rehearsal " + name.encode() + b"\n%%EOF\n")
+    for case in cases:  # the case API is down for these cases: every attempt of the next while fails
+        r.sandbox.script("case.attach", *[{"status": 503}] * 20, match=case)
+    evidence = EvidenceSettings()
+    bucket = evidence.bucket or Settings().redrive_bucket
+    s3 = boto3.client("s3", endpoint_url=r.env.get("AWS_ENDPOINT_URL") or None,
+                      region_name=r.env.get("AWS_REGION") or r.env.get("AWS_DEFAULT_REGION") or None,
+                      aws_access_key_id=r.env.get("AWS_ACCESS_KEY_ID") or None,
+                      aws_secret_access_key=r.env.get("AWS_SECRET_ACCESS_KEY") or None)
+    ensure_bucket(s3, bucket)
+    key = f"{evidence.inbox_prefix}rehearse-{r.tag}.zip"
+    s3.put_object(Bucket=bucket, Key=key, Body=buf.getvalue(), Metadata={"notify-to": f"merchant-{r.tag}@example.com"})
+    etag = str(s3.head_object(Bucket=bucket, Key=key)["ETag"]).strip('"')
+    job = policy.file_job_id(bucket, key, etag)
+
+    def n1_sent() -> bool:
+        found = r.read(repo.get_file_job, UUID(str(job)))
+        return bool(found and found.n1_sent_at)
+
+    r.wait(f"file job {job} ingested with N1 sent", n1_sent)
+    return {"FILE_JOB": str(job)}
+
+
 RECIPES: tuple[Recipe, ...] = (
     Recipe("bad-profile", ("1. Rerun a failed partition", "2. Backfill a range", "Matchmaking (001)"),
            "an impossible matchmaking profile in today's partition", bad_profile),
@@ -201,6 +250,8 @@ RECIPES: tuple[Recipe, ...] = (
            gateway_outage),
     Recipe("undeliverable-recipient", ("8. Waive a recipient", "Review notifications (002 §6)"),
            "the mail provider refuses one reviewer for good", undeliverable_recipient),
+    Recipe("evidence-zip", ("9. Force N2", "Evidence attach (004)"),
+           "an evidence ZIP with a missing file and a malformed row while the case API answers 503", evidence_zip),
 )
 
 
