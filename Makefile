@@ -1,5 +1,7 @@
 # The two commands: `make demo` and `make test`. Each does all of its own set-up.
-PYTHON ?= python3.11
+# The first supported Python on the machine (pyproject: >=3.11,<3.13); `make PYTHON=/path/to/python3.12` to choose.
+PYTHON ?= $(or $(shell command -v python3.11 2>/dev/null),$(shell command -v python3.12 2>/dev/null),$(shell \
+	for p in python3 python; do command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] < (3, 13))' 2>/dev/null && command -v $$p && break; done),python3.11)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
@@ -7,6 +9,9 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 .PHONY: demo test test-ci dev install validate bench clean browser lint
 
 $(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -c 'import sys; sys.exit(0 if (3, 11) <= sys.version_info[:2] < (3, 13) else \
+		"make: redrive needs Python 3.11 or 3.12; $(PYTHON) is " + sys.version.split()[0] + " (make PYTHON=…)")' \
+		|| { echo "make: no Python 3.11 or 3.12 found (tried $(PYTHON)); install one or give make PYTHON=…" >&2; exit 1; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install --quiet --upgrade pip
 	@$(PY) -m pip install --quiet -e ".[dev]"
@@ -74,9 +79,15 @@ clean:
 
 ## make serve: the deployed topology on the embedded defaults, each process on its own (dagster api grpc,
 ## dagster-webserver, dagster-daemon, the conversion API and worker) on dagster.yaml.example; Ctrl-C stops all.
+## It prints every endpoint and writes them to .data/serve.env (source it: set -a; . .data/serve.env; set +a).
 .PHONY: serve
 serve: install
 	@$(PY) -m devstack serve $(if $(WORKERS),--workers $(WORKERS))
+
+## make screenshots: the browser tests, saving their screenshots into docs/images (the suite alone writes none there)
+.PHONY: screenshots
+screenshots: install browser
+	@REDRIVE_SCREENSHOTS=docs/images $(PY) -m pytest -q -m browser $(PYTEST_ARGS)
 
 ## make constraints: re-pin constraints.txt (the image's dependency pins) from this virtualenv after a pyproject change.
 .PHONY: constraints

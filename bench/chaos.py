@@ -208,15 +208,17 @@ def _evidence_submit(ctx: Context, n: int, ledger: Ledger) -> None:
     ledger.expected += jobs * rows
 
 
-FILE_JOBS = "evidence_file_jobs"  # the evidence pipeline's file-job runs: a failed ingest run's dead letter
+def _file_job_letters(conn: sa.Connection) -> set[str]:
+    """Evidence letters of file jobs (a failed ingest run's): entity `{job}`, where a row's is `{job}/{row}`."""
+    return {ref for ref in letter_refs(conn, "evidence") if "/" not in ref}
 
 
 def _evidence_rows(conn: sa.Connection, ctx: Context) -> dict[str, str]:
     """The attach rows, and for a file job never ingested (its ingest run failed for good and was dead-lettered
-    under evidence_file_jobs) its rows as dead-lettered with it: the operator replays the file job."""
+    under evidence as the file job) its rows as dead-lettered with it: the operator replays the file job."""
     rows = work_rows(conn, "evidence")
     ingested = {ref.split("/", 1)[0] for ref in rows}
-    job_letters = letter_refs(conn, FILE_JOBS)
+    job_letters = _file_job_letters(conn)
     for job, n in ctx.ledgers["evidence"].groups.items():
         if job not in ingested:
             status = v.DEAD if job in job_letters else "never-ingested"
@@ -225,8 +227,8 @@ def _evidence_rows(conn: sa.Connection, ctx: Context) -> dict[str, str]:
 
 
 def _evidence_letters(conn: sa.Connection, ctx: Context) -> set[str]:
-    job_letters = letter_refs(conn, FILE_JOBS)
-    return letter_refs(conn, "evidence") | {f"{job}/not-ingested-{i}" for job, n in ctx.ledgers["evidence"].groups.items()
+    job_letters = _file_job_letters(conn)
+    return {ref for ref in letter_refs(conn, "evidence") if "/" in ref} | {f"{job}/not-ingested-{i}" for job, n in ctx.ledgers["evidence"].groups.items()
                                             if job in job_letters for i in range(n)}
 
 
@@ -419,7 +421,7 @@ LOADS: dict[str, Load] = {
     # one attachment per artifact, whatever idempotency key it was sent under
     "evidence": Load("evidence", _evidence_submit, "case.attach", lambda e: (e.get("case_id"), e.get("artifact_id")),
                      lambda ctx, e: True, rows=_evidence_rows, letters=_evidence_letters,
-                     letter_pipelines=("evidence", FILE_JOBS)),
+                     letter_pipelines=("evidence",)),
     # results per conversion job: counted in the job's own events (the gateway call itself may repeat)
     "conversion": Load("conversion", _conversion_submit, "pdf.convert", lambda e: e.get("seq"), lambda ctx, e: False,
                        rows=_conversion_rows, own_duplicates=_conversion_duplicates,

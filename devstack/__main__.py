@@ -10,6 +10,7 @@ import time
 
 import psutil
 
+from devstack import serve_env
 from devstack.stack import local_stack
 
 
@@ -88,6 +89,18 @@ def main(argv: list[str]) -> int:
             return interrupt(proc, STOP_GRACE_SECONDS)
 
 
+def endpoint_lines(endpoints: dict[str, str], env_file, log_dir) -> str:
+    """Pure: what `make serve` prints: every endpoint by the name the env file gives it, then how to use them."""
+    width = max(len(k) for k, _ in serve_env.ENDPOINTS)
+    lines = [f"  {key:<{width}}  {endpoints[key]}    {what}" for key, what in serve_env.ENDPOINTS if key in endpoints]
+    lines += ["", f"  every value above (and DAGSTER_HOME, DAGSTER_PG_URL, …) is in {env_file}; in another shell:",
+              f"      set -a; . {env_file}; set +a",
+              "  then `redrive …` and the runbooks of docs/operating.md act on this stack "
+              "(`redrive rehearse list` arms a failure to practise on)",
+              f"  logs  {log_dir}/<service>.log", "  Ctrl-C stops everything."]
+    return "\n".join(lines)
+
+
 def serve(workers: int) -> int:
     """`make serve`: every process of a deployment, each on its own, until Ctrl-C (or SIGTERM) stops them all."""
     from devstack.stack import dagster_home
@@ -101,12 +114,15 @@ def serve(workers: int) -> int:
             print("serve: starting the code server, webserver, daemon, conversion API and "
                   f"{workers} conversion worker(s) …", flush=True)
             with Topology(home=dagster_home("serve"), env=stack.env, workers=workers) as topology:
-                print(f"  Dagster UI        {topology.webserver_url}", flush=True)
-                print(f"  conversion API    {topology.api_url}/  (a token: python -m assets.conversion.api token alice)")
-                print(f"  logs              {topology.log_dir}/<service>.log")
-                print("  Ctrl-C stops everything.", flush=True)
-                while not (exited := topology.exited()):
-                    time.sleep(1)
+                env_file = serve_env.default_path()
+                endpoints = topology.endpoints()
+                serve_env.write(env_file, endpoints)
+                try:
+                    print(endpoint_lines(endpoints, env_file, topology.log_dir), flush=True)
+                    while not (exited := topology.exited()):
+                        time.sleep(1)
+                finally:
+                    serve_env.remove(env_file)
                 print(f"serve: {', '.join(f'{n} exited with {c}' for n, c in exited.items())}; stopping the rest",
                       file=sys.stderr)
                 status = 1

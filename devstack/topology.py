@@ -31,6 +31,7 @@ import httpx
 import psutil
 
 from devstack.process import free_port
+from redrive.logs import log_format
 from redrive.settings import PROJECT_ROOT
 
 if TYPE_CHECKING:
@@ -56,11 +57,12 @@ class Service:
 
 SERVICES: tuple[Service, ...] = (
     Service("code-server", ("dagster", "api", "grpc", "-m", "orchestration.definitions", "--location-name", LOCATION,
-                            "-h", "{host}", "-p", "{grpc_port}"),
+                            "-h", "{host}", "-p", "{grpc_port}", "--log-format", "{dagster_log_format}"),
             "the code location: loads the Definitions once, serves them over gRPC, launches run workers", "grpc"),
-    Service("webserver", ("dagster-webserver", "-w", "{workspace}", "-h", "{host}", "-p", "{webserver_port}"),
+    Service("webserver", ("dagster-webserver", "-w", "{workspace}", "-h", "{host}", "-p", "{webserver_port}",
+                          "--log-format", "{dagster_log_format}"),
             "the UI and GraphQL API", "/server_info"),
-    Service("daemon", ("dagster-daemon", "run", "-w", "{workspace}"),
+    Service("daemon", ("dagster-daemon", "run", "-w", "{workspace}", "--log-format", "{dagster_log_format}"),
             "ticks sensors and schedules, dequeues runs under the tag limits, retries failed runs"),
     Service("conversion-api", ("python", "-m", "assets.conversion.api", "serve", "--host", "{host}",
                                "--port", "{api_port}"),
@@ -74,7 +76,9 @@ MIGRATE: tuple[str, ...] = ("redrive", "db", "upgrade")  # once per release, bef
 
 # What docs/deploying.md shows: the ports of a deployment and the workspace the chart or compose file mounts.
 DEPLOYED = {"host": "0.0.0.0", "grpc_port": "4000", "webserver_port": "3000", "api_port": "8090", "metrics_port": "9108",
-            "workspace": "/opt/dagster/dagster_home/workspace.yaml"}
+            "workspace": "/opt/dagster/dagster_home/workspace.yaml", "dagster_log_format": "json"}
+# Dagster's own processes write their lines in the format redrive's do (REDRIVE_LOG_FORMAT): one line per record
+DAGSTER_LOG_FORMATS = {"json": "json", "text": "colored"}
 
 
 def deployed_commands() -> dict[str, str]:
@@ -177,6 +181,7 @@ class Topology:
         self.values = {"host": self.host, "grpc_port": str(free_port()), "webserver_port": str(free_port()),
                        "api_port": str(free_port()), "metrics_port": str(free_port()),
                        "workspace": str(self.home / "workspace.yaml")}
+        self.values["dagster_log_format"] = DAGSTER_LOG_FORMATS[log_format(self._child_env())]
         shutil.copyfile(INSTANCE_YAML, self.home / "dagster.yaml")
         (self.home / "workspace.yaml").write_text(workspace_yaml(self.host, int(self.values["grpc_port"])))
         names = self._names()
@@ -192,9 +197,23 @@ class Topology:
             self._wait(name)
 
     def _child_env(self) -> dict[str, str]:
-        # JSON logs unless the caller says otherwise: a deployment's log shipper reads one object per line
-        return {"REDRIVE_LOG_FORMAT": "json", **os.environ, **self.env, "DAGSTER_HOME": str(self.home),
-                MARKER: self.marker, "PYTHONUNBUFFERED": "1"}
+        # JSON logs unless the caller says otherwise: a deployment's log shipper reads one object per line.
+        # DAGSTER_UI_URL is this webserver (every alert's link), unless the caller names another (a proxy's).
+        return {"REDRIVE_LOG_FORMAT": "json", **os.environ, "DAGSTER_UI_URL": self.webserver_url, **self.env,
+                "DAGSTER_HOME": str(self.home), MARKER: self.marker, "PYTHONUNBUFFERED": "1"}
+
+    def endpoints(self) -> dict[str, str]:
+        """Where an operator reaches each part (devstack.serve_env.ENDPOINTS), plus what the services were given
+        on top of this process's environment (DAGSTER_PG_URL, DAGSTER_HOME, the sandbox's Slack webhook, …)."""
+        env = self._child_env()
+        out = {"DAGSTER_UI_URL": env["DAGSTER_UI_URL"], "CONVERSION_API": self.api_url,
+               "METRICS_URL": self.metrics_url}
+        for key in ("SANDBOX_URL", "AWS_ENDPOINT_URL", "DATABASE_URL"):
+            if env.get(key):
+                out[key] = env[key]
+        if "DATABASE_URL" in out:  # libpq's form, so `psql "$DATABASE_URL"` works too (redrive adds its driver)
+            out["DATABASE_URL"] = out["DATABASE_URL"].replace("postgresql+psycopg2://", "postgresql://", 1)
+        return out | {k: v for k, v in self.env.items() if k not in out} | {"DAGSTER_HOME": str(self.home)}
 
     def _spawn(self, name: str, service: Service) -> None:
         argv = service.argv(self.values)

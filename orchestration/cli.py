@@ -1,12 +1,15 @@
 """`redrive`: the operator's command for dead letters, alerts and the schema.
 
-    redrive dlq list [--pipeline P] [--error-class C] [--status S] [--json]
+    redrive dlq list [--pipeline P] [--error-class C] [--status S] [--entity E] [--search T] [--group F] [--json]
+    redrive dlq groups [--pipeline P] [--json]
+    redrive dlq replay-group F --note "INC-123: key rotated" --confirm-safe [--rate 2]
     redrive dlq show ID [--json]
     redrive dlq replay ID --note "INC-123: key rotated" --confirm-safe [--from-start]
     redrive dlq replay-bulk --pipeline P --error-class C [--since …] --rate 2 --note … --confirm-safe
     redrive dlq resolve ID --note "redone by hand"
     redrive dlq reconcile [--limit N]
     redrive breaker [--window N] [--json]
+    redrive rehearse list | RECIPE… | all       (on a running `make serve`)
     redrive alerts dispatch
     redrive db upgrade | downgrade
     redrive metrics serve [--host H] [--port P]
@@ -137,9 +140,9 @@ def json_option(f: Any) -> Any:
 
 @contextmanager
 def database_url() -> Iterator[str]:
-    """DATABASE_URL as it is (the deployed case: no settings, no Dagster import); unset, the embedded server for
-    this command."""
-    url = os.environ.get("DATABASE_URL")
+    """DATABASE_URL as it is (the deployed case: no settings, no Dagster import); unset, the database of a running
+    `make serve` (its .data/serve.env: no server to start, issue 27); else the embedded server for this command."""
+    url = os.environ.get("DATABASE_URL") or served_database_url()
     if url:
         yield url
         return
@@ -148,6 +151,14 @@ def database_url() -> Iterator[str]:
 
     with database_session(Settings()) as url:
         yield url
+
+
+def served_database_url() -> str | None:
+    """The DATABASE_URL of a `make serve` that is running (devstack.serve_env), or None."""
+    from devstack import serve_env
+
+    served = serve_env.running()
+    return served.get("DATABASE_URL") if served else None
 
 
 @contextmanager
@@ -244,21 +255,52 @@ def parse_time(value: str | None) -> datetime | None:
 @click.option("--pipeline", help="only this pipeline")
 @click.option("--error-class", help="only this error class")
 @click.option("--status", multiple=True, help="open, replaying, escalated, resolved")
+@click.option("--entity", help="this entity, or the entities under it (a partition's users, a file job's rows)")
+@click.option("--search", help="text in the message, entity, stage or error class (any case)")
+@click.option("--group", "fingerprint", help="one root cause: a fingerprint `redrive dlq groups` shows")
 @click.option("--limit", type=int, default=100)
 @json_option
-def dlq_list(pipeline: str | None, error_class: str | None, status: tuple[str, ...], limit: int,
-             as_json: bool) -> None:
-    """Dead letters, newest failure first (open and escalated by default)."""
+def dlq_list(pipeline: str | None, error_class: str | None, status: tuple[str, ...], entity: str | None,
+             search: str | None, fingerprint: str | None, limit: int, as_json: bool) -> None:
+    """Dead letters, newest failure first (open, replaying and escalated by default)."""
     check_pipeline(pipeline)
     check_statuses(status or [])
     from redrive import deadletter_reads as reads
 
     flt = reads.Filter(pipeline=pipeline, error_class=error_class,
                        statuses=tuple(status) if status else (reads.OPEN, reads.ESCALATED, reads.REPLAYING),
-                       limit=limit)
+                       limit=limit, entity=entity, search=search, fingerprint=fingerprint)
     with reading() as cursor:
         rows = reads.list_(cursor, flt)
     click.echo(json.dumps([r.as_json() for r in rows], default=str, indent=2) if as_json else table(rows))
+
+
+@dlq.command("groups")
+@click.option("--pipeline", help="only this pipeline")
+@click.option("--status", multiple=True, help="open, replaying, escalated, resolved (default: all but resolved)")
+@click.option("--limit", type=int, default=50)
+@json_option
+def dlq_groups(pipeline: str | None, status: tuple[str, ...], limit: int, as_json: bool) -> None:
+    """Dead letters by root cause (pipeline, stage, error class, fingerprint of the message): counts, first and
+    last seen, a sample. `dlq list --group F` lists one; `dlq replay-group F` replays it."""
+    check_pipeline(pipeline)
+    check_statuses(status or [])
+    from redrive import deadletter_reads as reads
+
+    flt = reads.Filter(pipeline=pipeline, limit=limit,
+                       statuses=tuple(status) if status else (reads.OPEN, reads.ESCALATED, reads.REPLAYING))
+    with reading() as cursor:
+        found = reads.groups(cursor, flt)
+    if as_json:
+        click.echo(json.dumps([g.as_json() for g in found], indent=2))
+        return
+    headers = ["group", "pipeline", "stage", "error_class", "letters", "first_seen", "last_seen", "sample"]
+    data = [[g.fingerprint, g.pipeline, g.stage, g.error_class, str(g.letters), f"{g.first_seen:%Y-%m-%d %H:%M}",
+             f"{g.last_seen:%Y-%m-%d %H:%M}", f"#{g.sample_id} {g.sample_entity}: {g.sample_message}"[:90]]
+            for g in found]
+    widths = [max(len(h), *(len(r[i]) for r in data)) if data else len(h) for i, h in enumerate(headers)]
+    for row in [headers, ["-" * w for w in widths], *data]:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
 @dlq.command("show")
@@ -272,7 +314,24 @@ def dlq_show(dead_letter_id: int, as_json: bool) -> None:
         letter = reads.get(cursor, dead_letter_id)
     if letter is None:
         fail(f"dead letter {dead_letter_id} does not exist")
-    click.echo(json.dumps(letter.as_json(), default=str, indent=2) if as_json else show_text(letter))
+    url = run_url(letter.run_id)
+    if as_json:
+        click.echo(json.dumps({**letter.as_json(), "run_url": url}, default=str, indent=2))
+    else:
+        click.echo(show_text(letter) if url is None else show_text(letter).replace(
+            f"           run_id: {letter.run_id}", f"           run_id: {letter.run_id}\n          run_url: {url}", 1))
+
+
+def run_url(run_id: str | None) -> str | None:
+    """The run's page in the Dagster UI: DAGSTER_UI_URL, else a running serve's, else Dagster's default port."""
+    if not run_id:
+        return None
+    base = os.environ.get("DAGSTER_UI_URL")
+    if not base:
+        from devstack import serve_env
+
+        base = (serve_env.running() or {}).get("DAGSTER_UI_URL", "http://localhost:3000")
+    return f"{base.rstrip('/')}/runs/{run_id}"
 
 
 @dlq.command("replay")
@@ -284,7 +343,7 @@ def dlq_show(dead_letter_id: int, as_json: bool) -> None:
 @json_option
 def dlq_replay(dead_letter_id: int, note: str | None, confirm_safe: bool, from_start: bool, operator: str,
                as_json: bool) -> None:
-    """Replay from the failed stage after remediation; the replay sensor starts the run."""
+    """Replay from the failed stage after remediation; a sensor starts the run (the message says which)."""
     from redrive import deadletters
     from redrive.clock import SystemClock
     from redrive.deadletters import ReplayRefused
@@ -293,6 +352,7 @@ def dlq_replay(dead_letter_id: int, note: str | None, confirm_safe: bool, from_s
         with connection() as conn:
             letter = deadletters.request_replay(conn, dead_letter_id, evidence=note, confirm_safe=confirm_safe,
                                                 at=SystemClock().now(), operator=operator, from_start=from_start)
+            drained = deadletters.is_drained(conn, letter.pipeline, letter.entity_ref)
     except ReplayRefused as refused:
         fail(str(refused))
     if as_json:
@@ -300,7 +360,16 @@ def dlq_replay(dead_letter_id: int, note: str | None, confirm_safe: bool, from_s
     else:
         where = "all stages" if from_start else f"stage {letter.stage}"
         click.echo(f"dead letter {letter.id}: replay {letter.replay_count} requested from {where}; "
-                   "the redrive_dead_letter_replays sensor starts the run")
+                   f"{replay_starter(letter.pipeline, drained)}")
+
+
+def replay_starter(pipeline: str, drained: bool) -> str:
+    """Pure: who runs a requested replay: a drained entity's work row falls due, anything else gets a run."""
+    from redrive.run_keys import REPLAY_SENSOR, due_work_sensor_name
+
+    if drained:
+        return f"its work row is due now: the {due_work_sensor_name(pipeline)} sensor's next drain run replays it"
+    return f"the {REPLAY_SENSOR} sensor starts the run"
 
 
 @dlq.command("replay-bulk")
@@ -312,10 +381,27 @@ def dlq_replay(dead_letter_id: int, note: str | None, confirm_safe: bool, from_s
 @click.option("--until", help="ISO time, exclusive")
 @click.option("--rate", type=float, default=1.0, help="replays requested per second")
 @click.option("--limit", type=int, default=1000)
+@click.option("--group", "fingerprint", help="only this root cause (a fingerprint of `redrive dlq groups`)")
 def dlq_replay_bulk(pipeline: str, note: str, confirm_safe: bool, error_class: str | None, since: str | None,
-                    until: str | None, rate: float, limit: int) -> None:
+                    until: str | None, rate: float, limit: int, fingerprint: str | None) -> None:
     """Replay many dead letters by filter at a bounded rate, so a recovered upstream is not flooded."""
     check_pipeline(pipeline)
+    _replay_bulk(pipeline, note, confirm_safe, error_class, since, until, rate, limit, fingerprint)
+
+
+@dlq.command("replay-group")
+@click.argument("fingerprint")
+@click.option("--note", required=True, help="remediation evidence")
+@click.option("--confirm-safe", is_flag=True)
+@click.option("--rate", type=float, default=1.0, help="replays requested per second")
+@click.option("--limit", type=int, default=1000)
+def dlq_replay_group(fingerprint: str, note: str, confirm_safe: bool, rate: float, limit: int) -> None:
+    """Replay every open letter of one root cause (`redrive dlq groups`), throttled like replay-bulk."""
+    _replay_bulk(None, note, confirm_safe, None, None, None, rate, limit, fingerprint)
+
+
+def _replay_bulk(pipeline: str | None, note: str, confirm_safe: bool, error_class: str | None, since: str | None,
+                 until: str | None, rate: float, limit: int, fingerprint: str | None) -> None:
     import time
 
     from redrive import deadletters
@@ -324,7 +410,7 @@ def dlq_replay_bulk(pipeline: str, note: str, confirm_safe: bool, error_class: s
     from redrive.db import engine_for
 
     flt = deadletters.Filter(pipeline=pipeline, error_class=error_class, since=parse_time(since),
-                             until=parse_time(until), limit=limit)
+                             until=parse_time(until), limit=limit, fingerprint=fingerprint)
     with database_url() as url:
         report = bulk_replay(engine_for(url), flt, evidence=note, confirm_safe=confirm_safe, rate=rate,
                              clock=SystemClock(), sleep=time.sleep)
@@ -377,6 +463,31 @@ def dlq_reconcile(limit: int) -> None:
     click.echo(f"{len(repaired)} repaired ({', '.join(sources)} checked)")
 
 
+@app.command("rehearse")
+@click.argument("recipes", nargs=-1)
+@click.option("--timeout", type=float, default=180.0, help="seconds to wait for each armed failure to happen")
+def rehearse(recipes: tuple[str, ...], timeout: float) -> None:
+    """Arm a failure to practise a runbook on, on a running `make serve`: `redrive rehearse list`, then
+    `eval "$(redrive rehearse RECIPE)"` sets the runbook's shell variables ($LETTER, …)."""
+    from orchestration import rehearse as r
+
+    if not recipes or list(recipes) == ["list"]:
+        width = max(len(x.name) for x in r.RECIPES)
+        for x in r.RECIPES:
+            click.echo(f"{x.name:<{width}}  {x.fault}; for: {'; '.join(x.sections)}")
+        return
+    try:
+        names = list(recipes)
+        for name in names if names != ["all"] else []:
+            r.recipe(name)  # an unknown name fails before anything is seeded
+        click.echo(f"rehearse: arming {', '.join(names)} and waiting for the stack to meet it …", err=True)
+        values = r.arm(names, r.stack_env(), timeout=timeout)
+    except r.RehearsalError as refused:
+        fail(str(refused))
+    click.echo(r.exports(values))
+    click.echo("rehearse: done; the runbooks of docs/operating.md can now be followed as written", err=True)
+
+
 @app.command("breaker")
 @click.option("--window", type=int, default=20, help="calls in the window (the guarded pipeline's CIRCUIT_WINDOW)")
 @json_option
@@ -395,7 +506,7 @@ def breaker_status(window: int, as_json: bool) -> None:
         click.echo(json.dumps(out, default=str, indent=2))
         return
     if not out:
-        click.echo("no breaker has guarded a call yet")
+        click.echo("no breaker has recorded a call yet")
     for b in out:
         since = f" since {b['opened_at']:%Y-%m-%d %H:%M:%S}" if b["state"] == "open" else ""
         probe = f", last probe {b['last_probe_at']:%H:%M:%S}" if b["last_probe_at"] else ""

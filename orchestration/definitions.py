@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import dagster as dg
 
 from assets.backlog import backlog_defs
@@ -31,6 +33,11 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     """Build everything from settings read now, never at import time of a module."""
     settings = settings or Settings()
     logs.configure(replace=False, only_if_set=True)
+    # Beta and preview features we chose on purpose (sensor owners, partitioned checks, dagster.yaml's python_logs
+    # handler): not repeated by every process that loads the location (the code server, each run worker) into
+    # its log, every time Dagster touches them. Whatever else warns still does.
+    for category in (dg.BetaWarning, dg.PreviewWarning):
+        warnings.filterwarnings("ignore", category=category)
     pipelines = load_pipelines(settings)
     replay_targets = {k: v for p in pipelines for k, v in p.replay_targets.items()}
     failed_for_good = {k: v for p in pipelines for k, v in p.failed_for_good.items()}

@@ -51,12 +51,14 @@ QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 class SensorTick:
     run_requests: list[dg.RunRequest]
     cursor: str | None
+    asset_events: int = 0  # check evaluations, observations… the tick reported (the daemon stores them)
 
 
 def evaluate_sensor_tick(defs: dg.Definitions, instance: dg.DagsterInstance, sensor_name: str,
                          cursor: str | None = None) -> SensorTick:
     """Evaluate one tick as the daemon does: with the repository, the instance's dynamic partitions and the
-    sensor's cursor, adding the partitions the tick asks for. The caller launches the runs and keeps the cursor."""
+    sensor's cursor, adding the partitions the tick asks for and storing the asset events it reports (check
+    results: the UI shows them). The caller launches the runs and keeps the cursor."""
     sensor = defs.resolve_sensor_def(sensor_name)
     with dg.partition_loading_context(dynamic_partitions_store=instance), \
             dg.build_sensor_context(instance=instance, resources=defs.resources, sensor_name=sensor_name,
@@ -67,7 +69,10 @@ def evaluate_sensor_tick(defs: dg.Definitions, instance: dg.DagsterInstance, sen
         if isinstance(partitions_request, dg.AddDynamicPartitionsRequest):
             instance.add_dynamic_partitions(partitions_request.partitions_def_name,
                                             list(partitions_request.partition_keys))
-    return SensorTick(list(data.run_requests or []), data.cursor if data.cursor is not None else cursor)
+    for event in data.asset_events or []:
+        instance.report_runless_asset_event(event)
+    return SensorTick(list(data.run_requests or []), data.cursor if data.cursor is not None else cursor,
+                      len(data.asset_events or []))
 
 
 def evaluate_sensor(defs: dg.Definitions, instance: dg.DagsterInstance, sensor_name: str) -> list[dg.RunRequest]:

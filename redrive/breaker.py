@@ -22,14 +22,16 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert
 
 from redrive.clock import Clock, SystemClock
-from redrive.failures import Code, Failure
 from redrive.schema import NOW, TZ, metadata
+
+if TYPE_CHECKING:  # `redrive breaker` reads states without loading every client library redrive.failures knows
+    from redrive.failures import Failure
 
 __all__ = [
     "BreakerPolicy",
@@ -147,8 +149,9 @@ def probe_due(state: BreakerState, now: datetime, policy: BreakerPolicy) -> bool
     return since is None or now - since >= timedelta(seconds=policy.cooldown)
 
 
+# redrive.failures.Code values (a StrEnum: a code compares equal to its name)
 _BREAKER_FAILURES = frozenset(
-    {Code.NETWORK_TIMEOUT, Code.NETWORK_ERROR, Code.UPSTREAM_UNAVAILABLE, Code.UPSTREAM_INTERNAL, Code.RATE_LIMITED}
+    {"NETWORK_TIMEOUT", "NETWORK_ERROR", "UPSTREAM_UNAVAILABLE", "UPSTREAM_INTERNAL", "RATE_LIMITED"}
 )
 
 
@@ -186,8 +189,10 @@ def get_state(conn: sa.Connection, name: str) -> BreakerState:
 
 
 def all_states(conn: sa.Connection) -> list[BreakerState]:
-    """Every breaker that has guarded a call, by name (what `redrive breaker` shows)."""
-    names = conn.execute(sa.select(circuit_breakers.c.name).order_by(circuit_breakers.c.name)).scalars().all()
+    """Every breaker that has guarded a call, by name (what `redrive breaker` shows): one that has opened has a
+    row of its own, one that never opened only its calls (issue 27: it was missing from the list)."""
+    names = conn.execute(sa.union(sa.select(circuit_breakers.c.name),
+                                  sa.select(breaker_calls.c.breaker).distinct()).order_by("name")).scalars().all()
     return [get_state(conn, name) for name in names]
 
 

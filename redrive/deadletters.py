@@ -175,6 +175,18 @@ def active_for(conn: sa.Connection, pipeline: str, entity_ref: str) -> DeadLette
     return DeadLetter.from_row(row) if row else None
 
 
+def active_under(conn: sa.Connection, pipeline: str, entity_ref: str) -> list[str]:
+    """The entities with an active dead letter that are `entity_ref` or under it (`{entity_ref}:…`), sorted:
+    e.g. the users of a matchmaking partition that are not done (issue 27: such a partition is not green)."""
+    prefix = f"{entity_ref}:"
+    return list(conn.execute(
+        sa.select(dead_letters.c.entity_ref).where(
+            dead_letters.c.pipeline == pipeline, dead_letters.c.status != RESOLVED,
+            sa.or_(dead_letters.c.entity_ref == entity_ref,
+                   sa.func.left(dead_letters.c.entity_ref, len(prefix)) == prefix))
+        .order_by(dead_letters.c.entity_ref)).scalars())
+
+
 def list_(conn: sa.Connection, flt: Filter = Filter()) -> list[DeadLetter]:
     """Dead letters by filter, newest failure first (the same query `redrive dlq list` runs on psycopg2)."""
     return [DeadLetter.from_row(r) for r in conn.exec_driver_sql(LIST_SQL, list_params(flt))]
@@ -275,8 +287,14 @@ def replays_still_current(conn: sa.Connection, started: Mapping[int, int]) -> di
 
 
 def close_after_success(conn: sa.Connection, pipeline: str, entity_ref: str, at: datetime) -> DeadLetter | None:
-    """Post-replay verification: the entity's work completed, so its dead letter is annotated and closed."""
-    note = _note(at, "replay_succeeded", "work completed after replay")
+    """Post-replay verification: the entity's work completed, so its dead letter is annotated and closed.
+
+    The note says how: `replay_succeeded` when the letter was being replayed, `work_completed` when the work
+    completed some other way (an owner's Retry, a rerun of its partition, a later attempt), so the record
+    never claims a replay nobody asked for (issue 27)."""
+    replayed = _note(at, "replay_succeeded", "work completed after replay")
+    other = _note(at, "work_completed", "work completed without a replay (an owner's Retry, a rerun or a later "
+                                        "attempt)")
     row = conn.execute(
         sa.update(dead_letters)
         .where(
@@ -287,12 +305,33 @@ def close_after_success(conn: sa.Connection, pipeline: str, entity_ref: str, at:
         .values(
             status=RESOLVED,
             resolved_at=at,
-            notes=dead_letters.c.notes.op("||")(sa.cast(note, JSONB)),
+            notes=dead_letters.c.notes.op("||")(sa.case((dead_letters.c.status == REPLAYING, sa.cast(replayed, JSONB)),
+                                                        else_=sa.cast(other, JSONB))),
             updated_at=sa.func.now(),
         )
         .returning(*dead_letters.c)
     ).first()
     return DeadLetter.from_row(row) if row else None
+
+
+def note_active(conn: sa.Connection, pipeline: str, entity_ref: str, *, kind: str, text: str, at: datetime,
+                by: str) -> DeadLetter | None:
+    """Append a note to the entity's active dead letter, if it has one (e.g. an owner pressed Retry)."""
+    row = conn.execute(
+        sa.update(dead_letters)
+        .where(dead_letters.c.pipeline == pipeline, dead_letters.c.entity_ref == entity_ref,
+               dead_letters.c.status != RESOLVED)
+        .values(notes=dead_letters.c.notes.op("||")(sa.cast(_note(at, kind, text, by), JSONB)),
+                updated_at=sa.func.now())
+        .returning(*dead_letters.c)
+    ).first()
+    return DeadLetter.from_row(row) if row else None
+
+
+def is_drained(conn: sa.Connection, pipeline: str, entity_ref: str) -> bool:
+    """The entity is a row of the work queue: its replay is that row falling due (a drain run), not a run."""
+    return conn.execute(sa.select(sa.exists().where(work_items.c.pipeline == pipeline,
+                                                    work_items.c.entity_ref == entity_ref))).scalar_one()
 
 
 def resolve(conn: sa.Connection, dead_letter_id: int, *, note: str, at: datetime, operator: str = "operator") -> DeadLetter:

@@ -21,6 +21,9 @@ from redrive.settings import cached_settings
 from redrive.stages import StagePolicy, sanitized_failures  # noqa: F401 - also imported from here
 
 DRAIN_TAG = "redrive/drain"  # a drain run: its entities are rows with leases, not the run itself
+# on a drain run that dead-lettered entities: how many (the run is green; the run list and this tag say so,
+# and the pipeline's `no_open_dead_letters` check turns red on the backlog sensor's next tick)
+DRAIN_DEAD_LETTERED_TAG = "redrive/entities_dead_lettered"
 
 # Unclassified and infrastructure failures of the op itself (database or S3 unreachable).
 DRAIN_RETRY_POLICY = dg.RetryPolicy(max_retries=3, delay=2.0, backoff=dg.Backoff.EXPONENTIAL,
@@ -48,6 +51,8 @@ def run_drain(context: dg.OpExecutionContext, runtime: Reliability, pipeline: st
     with sanitized_failures(f"drain of {pipeline}"):
         report = drain.run(handle, group_key=group_key)
     context.log.info(_summary(pipeline, report))
+    if report.dead_lettered:
+        context.instance.add_run_tags(context.run_id, {DRAIN_DEAD_LETTERED_TAG: str(report.dead_lettered)})
     metadata: dict[str, Any] = {k: dg.MetadataValue.int(v) for k, v in report.as_metadata().items()}
     metadata["failures_by_class"] = dg.MetadataValue.json(report.failures)
     return dg.Output({**report.as_metadata(), "failures": report.failures, "retries": report.retry_log},

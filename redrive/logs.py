@@ -141,6 +141,24 @@ def run_log_handler() -> logging.Handler:
     return handler
 
 
+# Third-party loggers whose INFO lines repeat on every call (botocore: "Found credentials in environment
+# variables." each time a client is made, every sensor tick; alembic: its plugins at each upgrade).
+QUIET_LOGGERS = ("botocore.credentials", "alembic.runtime.plugins", "alembic.runtime.migration")
+
+
+def _not_written_below_root(record: logging.LogRecord) -> bool:
+    """False for a record a handler of its own logger chain already wrote (Dagster's loggers have their own
+    handler, in the format `--log-format` gave them): one line per record, not the same line twice."""
+    logger: logging.Logger | None = logging.getLogger(record.name)
+    while logger is not None and logger.parent is not None:  # up to, not including, the root
+        if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
+            return False
+        if not logger.propagate:
+            break
+        logger = logger.parent
+    return True
+
+
 def log_format(env: Mapping[str, str] | None = None) -> str:
     """The configured format; an unknown value is a configuration error, said at start-up."""
     value = (env if env is not None else os.environ).get(FORMAT_ENV, "text").strip().lower() or "text"
@@ -172,7 +190,10 @@ def configure(fmt: str | None = None, *, stream: IO[str] | None = None, level: i
     handler = logging.StreamHandler(stream) if stream is not None else _Stderr()
     setattr(handler, _HANDLER_MARK, True)
     handler.setFormatter(formatter(fmt))
+    handler.addFilter(_not_written_below_root)
     root.addHandler(handler)
+    for name in QUIET_LOGGERS:  # a line per call of theirs at INFO says nothing an operator needs
+        logging.getLogger(name).setLevel(logging.WARNING)
     wanted = level if level is not None else os.environ.get(LEVEL_ENV, default_level)
     root.setLevel(wanted.upper() if isinstance(wanted, str) else wanted)
     return handler

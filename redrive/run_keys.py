@@ -17,3 +17,12 @@ def run_key(pipeline: str, entity_ref: str, *, attempt: int | None = None, repla
         raise ValueError("a run key names exactly one of attempt or replay")
     suffix = f"attempt-{attempt}" if attempt is not None else f"replay-{replay}"
     return f"{pipeline}:{purpose}:{entity_ref}:{suffix}"
+
+
+# The sensors that start runs, by name, for messages that tell an operator what happens next (no Dagster import).
+REPLAY_SENSOR = "redrive_dead_letter_replays"  # starts the runs of replays that are not work rows
+
+
+def due_work_sensor_name(pipeline: str) -> str:
+    """The sensor that starts `pipeline`'s drain runs (new work, retries and replays falling due)."""
+    return f"{pipeline}_due_work"

@@ -23,9 +23,14 @@ def resolve_database_url(settings: Settings) -> str:
 
 @contextmanager
 def database_session(settings: Settings) -> Iterator[str]:
-    """The database URL for one command; an embedded server started for it is stopped after."""
-    if settings.database_url:
-        yield normalize_url(settings.database_url)
+    """The database URL for one command: DATABASE_URL; the database of a running `make serve` (.data/serve.env);
+    else an embedded server started for it and stopped after."""
+    from devstack import serve_env
+
+    served = serve_env.running(settings.redrive_data_dir / serve_env.FILE_NAME)
+    url = settings.database_url or (served or {}).get("DATABASE_URL")
+    if url:
+        yield normalize_url(url)
         return
     from devstack.postgres import EmbeddedPostgres, create_database, with_database
 

@@ -28,7 +28,7 @@ from redrive.drain_ops import DRAIN_TAG
 from redrive.failures import Code, Failure
 from redrive.metrics import PipelineSource
 from redrive.reconcile import FailedForGood, reconcile
-from redrive.run_keys import run_key
+from redrive.run_keys import REPLAY_SENSOR, due_work_sensor_name, run_key
 from redrive.sanitize import sanitize_text
 from redrive.stages import DEAD_LETTERED_TAG, DEFERRED_TAG, EXPECTED_FAILURE_TAG
 from redrive.timers import Timer
@@ -301,7 +301,7 @@ def dead_letter_replay_sensor(targets: Mapping[str, ReplayTarget], *, limit: int
     which is idempotent."""
     jobs = list({t.job_name: t.job for t in targets.values()}.values())
 
-    @dg.sensor(name="redrive_dead_letter_replays", jobs=jobs, minimum_interval_seconds=minimum_interval_seconds, default_status=dg.DefaultSensorStatus.RUNNING,
+    @dg.sensor(name=REPLAY_SENSOR, jobs=jobs, minimum_interval_seconds=minimum_interval_seconds, default_status=dg.DefaultSensorStatus.RUNNING,
                description="Starts runs for the dead letters an operator asked to replay (`redrive dlq replay`): "
                            "one per letter, or one per pipeline and partition where replay is a requeue.")
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
@@ -337,7 +337,7 @@ def due_work_sensor(pipeline: str, job: dg.JobDefinition, *, by_partition: bool 
     file job) with due rows, on that group's partition, at most one active run per partition.
     """
 
-    @dg.sensor(name=f"{pipeline}_due_work", job=job, minimum_interval_seconds=minimum_interval_seconds,
+    @dg.sensor(name=due_work_sensor_name(pipeline), job=job, minimum_interval_seconds=minimum_interval_seconds,
                default_status=dg.DefaultSensorStatus.RUNNING,
                description=f"Starts a drain run of {pipeline} when entities in its work queue are due "
                            "(new work, retries falling due, dead-letter replays); one run per round, never one "
@@ -394,19 +394,27 @@ def dead_letter_reconciliation_sensor(sources: Mapping[str, FailedForGood], *, l
     return _sensor
 
 
+BACKLOG_REFRESH_SECONDS = 300.0
+
+
 def pipeline_backlog_sensor(pipelines: Sequence[str], sources: Mapping[str, PipelineSource], max_age_hours: float,
-                            max_wait_seconds: float, minimum_interval_seconds: int = 300,
+                            max_wait_seconds: float, minimum_interval_seconds: int = 30,
+                            refresh_seconds: float = BACKLOG_REFRESH_SECONDS,
                             stall_seconds: float = backlog.DEFAULT_STALL_SECONDS) -> dg.SensorDefinition:
     @dg.sensor(name="redrive_pipeline_backlog", minimum_interval_seconds=minimum_interval_seconds,
                default_status=dg.DefaultSensorStatus.RUNNING,
-               description="Reports every pipeline's backlog checks (stale dead letters, stuck due work) on its "
-                           "`<pipeline>_backlog` asset every 5 minutes, without starting a run.")
+               description="Reports every pipeline's backlog checks (open and stale dead letters, stuck due work) "
+                           f"on its `<pipeline>_backlog` asset: a change on the next tick ({minimum_interval_seconds} "
+                           f"s), every check every {refresh_seconds / 60:g} minutes; never starts a run.")
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource):
-        found = backlog.verdicts(reliability.runtime(), pipelines, sources, max_age_hours, max_wait_seconds,
-                                 stall_seconds)
+        runtime = reliability.runtime()
+        found = backlog.verdicts(runtime, pipelines, sources, max_age_hours, max_wait_seconds, stall_seconds)
         failing = [f"{p}: {v.check}" for p, vs in found.items() for v in vs if not v.passed]
-        context.log.info(f"backlog checks: {', '.join(failing) or 'all passing'}")
-        return dg.SensorResult(asset_events=backlog.evaluations(found))
+        events, cursor = backlog.news(found, json.loads(context.cursor or "{}"), runtime.now().timestamp(),
+                                      refresh_seconds)
+        if events:  # a tick that reports nothing new says nothing (every 30 s)
+            context.log.info(f"backlog checks: {', '.join(failing) or 'all passing'}; {len(events)} reported")
+        return dg.SensorResult(asset_events=events, cursor=json.dumps(cursor, sort_keys=True))
 
     return _sensor
 

@@ -25,7 +25,6 @@ from resources.reliability import ReliabilityResource
 INBOX_SENSOR = "evidence_inbox"
 SCHEDULER_SENSOR = "evidence_retry_scheduler"
 METRICS_SENSOR = "evidence_metrics"
-FILE_JOBS = service.FILE_JOBS
 
 
 def _cursor(raw: str | None) -> tuple[str, set[str]]:
@@ -84,10 +83,10 @@ def inbox_sensor(settings: EvidenceSettings, bucket: str, *, minimum_interval_se
             keys.append(job_id)
             cfg = {"bucket": inbox_bucket, "key": obj["Key"], "etag": etag}
             requests.append(dg.RunRequest(
-                run_key=run_key(FILE_JOBS, job_id, attempt=1, purpose="ingest"),
+                run_key=run_key(pipeline.PIPELINE, job_id, attempt=1, purpose="ingest"),
                 job_name=pipeline.evidence_file_job.name, partition_key=job_id,
                 run_config={"ops": {"ingest_file_job": {"config": cfg}, "send_file_job_notifications": {"config": {}}}},
-                tags={"redrive/pipeline": FILE_JOBS, "evidence/source_key": obj["Key"][-200:]},
+                tags={"redrive/pipeline": pipeline.PIPELINE, "evidence/source_key": obj["Key"][-200:]},
             ))
         return dg.SensorResult(run_requests=requests, cursor=cursor,
                                dynamic_partitions_requests=[pipeline.file_jobs.build_add_request(keys)])

@@ -133,3 +133,15 @@ def instance():
                                   "class": "NoOpComputeLogManager"}}
     with dg.instance_for_test(overrides=overrides) as inst:
         yield inst
+
+
+@pytest.fixture
+def screenshot_dir(tmp_path: Path) -> Path:
+    """Where a browser test saves its screenshots: the folder REDRIVE_SCREENSHOTS names (`make screenshots`
+    sets docs/images), else this test's temporary folder, so the suite writes nothing into the tracked tree."""
+    from redrive.settings import PROJECT_ROOT
+
+    asked = os.environ.get("REDRIVE_SCREENSHOTS")
+    folder = (PROJECT_ROOT / asked) if asked else tmp_path / "screenshots"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder

@@ -34,3 +34,61 @@ def evaluate_failure_sensor(defs: dg.Definitions, instance: dg.DagsterInstance, 
         dagster_run=run, resources=defs.resources,
     ) as context:
         sensor(context.for_run_failure())
+
+
+# What the Dagster UI shows, read through its GraphQL schema on an in-process workspace of these definitions
+# (the webserver runs the same resolvers; no gRPC server to start).
+loaded_definitions: dg.Definitions | None = None  # the attribute the in-process code location loads
+
+_PARTITION_STATS = """query($key: AssetKeyInput!) { assetNodeOrError(assetKey: $key) { __typename
+    ... on AssetNode { partitionStats { numMaterialized numFailed numMaterializing numPartitions } } } }"""
+_CHECK = """query($key: AssetKeyInput!, $check: String!, $partition: String) {
+    assetCheckExecutions(assetKey: $key, checkName: $check, partition: $partition, limit: 1) {
+        status evaluation { severity description } } }"""
+
+
+class DagsterUi:
+    """Partition status and asset check results as the UI's GraphQL answers them."""
+
+    def __init__(self, defs: dg.Definitions, instance: dg.DagsterInstance) -> None:
+        self.defs, self.instance = defs, instance
+
+    def __enter__(self) -> DagsterUi:
+        import sys
+
+        from dagster._core.remote_origin import InProcessCodeLocationOrigin
+        from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
+        from dagster._core.workspace.context import WorkspaceProcessContext
+        from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget
+
+        global loaded_definitions
+        loaded_definitions = self.defs
+        origin = InProcessCodeLocationOrigin(LoadableTargetOrigin(
+            executable_path=sys.executable, module_name=__name__, attribute="loaded_definitions"),
+            location_name="redrive")
+        self._process = WorkspaceProcessContext(self.instance, InProcessWorkspaceLoadTarget(origin))
+        self._process.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._process.__exit__(*exc)
+
+    def query(self, text: str, **variables: object) -> dict:
+        from dagster_graphql.test.utils import execute_dagster_graphql
+
+        result = execute_dagster_graphql(self._process.create_request_context(), text, variables)
+        return result.data
+
+    def partition_stats(self, asset: str) -> dict[str, int]:
+        """{numMaterialized, numFailed, numMaterializing, numPartitions} of the asset's partitions."""
+        node = self.query(_PARTITION_STATS, key={"path": [asset]})["assetNodeOrError"]
+        assert node["__typename"] == "AssetNode", node
+        return node["partitionStats"]
+
+    def latest_check(self, asset: str, check: str, partition: str | None = None) -> tuple[str, str | None] | None:
+        """(status, description) of the check's latest execution (SUCCEEDED / FAILED …), or None if never run."""
+        executions = self.query(_CHECK, key={"path": [asset]}, check=check, partition=partition)["assetCheckExecutions"]
+        if not executions:
+            return None
+        evaluation = executions[0]["evaluation"] or {}
+        return executions[0]["status"], evaluation.get("description")

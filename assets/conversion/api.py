@@ -41,8 +41,8 @@ from assets.conversion import policy
 from assets.conversion import repository as repo
 from assets.conversion.files import FileStore
 from assets.conversion.metrics import registry_for
-from assets.conversion.settings import BREAKER, ConversionSettings
-from redrive import breaker
+from assets.conversion.settings import BREAKER, PIPELINE, ConversionSettings
+from redrive import breaker, deadletters
 from redrive.clock import Clock, SystemClock
 from redrive.vocabularies import CONVERSION_PUBLIC_CODES
 
@@ -234,6 +234,10 @@ def create_app(engine: sa.Engine, settings: ConversionSettings, clock: Clock | N
                 job = repo.manual_retry(conn, job_id, owner, clock.now(), present)
             except repo.RetryRefused as refused:
                 raise ApiError(refused.status, refused.code, refused.message) from None
+            # the job's dead letter (if any) says who retried it; its close then reads "work completed", not
+            # "after replay" (issue 27)
+            deadletters.note_active(conn, PIPELINE, job.id, kind="owner_retry", text="the owner pressed Retry",
+                                    at=clock.now(), by=f"owner:{owner}")
         log.info('{"event":"job_manual_retry","job_id":"%s","status":"queued"}', job.id)
         return JSONResponse(job_json(job, files))
 

@@ -4,8 +4,8 @@
     submitted = api.submit(engine, {"artifact_url": ..., "rubric": ..., "webhook_url": ...,
                                     "webhook_headers": {"Authorization": "Bearer …"}})
 
-A submitted request is a row; the `criticizer_new_requests` sensor turns it into a
-dynamic partition and a run. Submitting the same request again is a no-op that
+A submitted request is a row and a due item of the core's work queue; the `criticizer_due_work`
+sensor starts a drain run that takes it (with every other due request). Submitting the same request again is a no-op that
 returns the same id; reusing an id for other content is refused.
 """
 

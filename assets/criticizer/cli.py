@@ -22,7 +22,9 @@ from typing import Annotated
 import typer
 
 from assets.criticizer import api, repository
+from assets.criticizer.policy import PIPELINE
 from redrive.db import engine_for
+from redrive.run_keys import due_work_sensor_name
 from resources.postgres import database_session
 from redrive.settings import Settings
 
@@ -66,7 +68,7 @@ def submit(
     tenant: Annotated[str | None, typer.Option()] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Submit a critique request; the criticizer_new_requests sensor starts its run."""
+    """Submit a critique request; the criticizer_due_work sensor's next drain run takes it."""
     if (rubric is None) == (rubric_file is None):
         fail("give exactly one of --rubric or --rubric-file")
     if rubric_file is not None:
@@ -86,7 +88,8 @@ def submit(
         typer.echo(json.dumps({"request_id": submitted.request_id, "created": submitted.created}))
     else:
         verb = "submitted" if submitted.created else "already submitted (nothing changed)"
-        typer.echo(f"critique request {submitted.request_id}: {verb}; the criticizer_new_requests sensor starts it")
+        typer.echo(f"critique request {submitted.request_id}: {verb}; the {due_work_sensor_name(PIPELINE)} sensor's "
+                   "next drain run takes it")
 
 
 @app.command("status")

@@ -37,7 +37,6 @@ from resources.evidence import CaseApiResource, MerchantMailResource
 from resources.reliability import ReliabilityResource
 
 PIPELINE = service.PIPELINE
-FILE_JOBS = service.FILE_JOBS
 GROUP = "evidence"
 
 file_jobs = dg.DynamicPartitionsDefinition(name="evidence_file_jobs")
@@ -79,9 +78,9 @@ def ingest_file_job(context: dg.OpExecutionContext, config: FileJobConfig, relia
     runtime = reliability.runtime()
     job_id = UUID(context.partition_key)
     if config.attempt is not None:
-        runtime.resume(FILE_JOBS, str(job_id), config.attempt)
+        runtime.resume(PIPELINE, str(job_id), config.attempt)
     client = s3.get_client()
-    unit = Unit(FILE_JOBS, str(job_id), payload_ref={"table": "file_job", "id": str(job_id)},
+    unit = Unit(PIPELINE, str(job_id), payload_ref={"table": "file_job", "id": str(job_id)},
                 context={"file_job_id": str(job_id), "source_key": config.key},
                 prior_attempts=config.prior_attempts)
 
@@ -138,14 +137,14 @@ def send_file_job_notifications(context: dg.OpExecutionContext, config: FileJobC
     """Send the file job's pending N1/N2 to the merchant: send first, then mark, one message per kind ever."""
     runtime = reliability.runtime()
     job_id = UUID(context.partition_key)
-    unit = Unit(FILE_JOBS, str(job_id), payload_ref={"table": "file_job", "id": str(job_id)},
+    unit = Unit(PIPELINE, str(job_id), payload_ref={"table": "file_job", "id": str(job_id)},
                 context={"file_job_id": str(job_id)}, prior_attempts=config.prior_attempts)
     with merchant_mail.session() as mail:
         sender = worker.NotificationSender(runtime, mail, run_id=context.run_id)
         sent = _stage(context, runtime, unit, "notify", NOTIFY_POLICY, lambda: sender.send_pending(job_id))
     if sent is None:
         return {}
-    runtime.succeeded(FILE_JOBS, str(job_id))  # closes a replayed file-job dead letter, if any
+    runtime.succeeded(PIPELINE, str(job_id))  # closes a replayed file-job dead letter, if any
     out = {s.kind: s.message_id for s in sent}
     context.add_output_metadata({"file_job_id": str(job_id), "sent": ",".join(
         f"{s.kind}{' (already sent)' if s.already_sent else ''}" for s in sent) or "-"})
@@ -159,7 +158,7 @@ RUN_RETRIES = 3
 
 
 @dg.job(partitions_def=file_jobs, executor_def=dg.in_process_executor,
-        tags={"redrive/pipeline": FILE_JOBS, "dagster/max_retries": str(RUN_RETRIES)})
+        tags={"redrive/pipeline": PIPELINE, "dagster/max_retries": str(RUN_RETRIES)})
 def evidence_file_job() -> None:
     """A file job: ingest its ZIP (once), attach the evidence of its due rows, send its pending N1/N2."""
     send_file_job_notifications(attach_file_job_rows(ingest_file_job()))

@@ -19,8 +19,9 @@ from redrive import work
 from redrive.alerts import Alert
 from redrive.reliability import Reliability
 
-PIPELINE = repo.PIPELINE  # rows: attach work, dead letters, replay
-FILE_JOBS = "evidence_file_jobs"  # file jobs: ingest and notifications
+# One name for all of evidence's work (issue 27): a row's attach (entity `{job}/{row}`, drained) and a file job's
+# ingest and notifications (entity `{job}`, replayed as a run of its partition) are both pipeline `evidence`.
+PIPELINE = repo.PIPELINE
 
 
 # --------------------------------------------------------------------------------- N1 / N2 (§5)

@@ -24,6 +24,7 @@ from assets.matchmaking import batch, policy, repository
 from assets.matchmaking.batch import Knobs, PartitionRun
 from assets.matchmaking.policy import Partition, PartitionHealth, ScoringWeights
 from assets.matchmaking.settings import MatchmakingSettings
+from redrive import deadletters
 from redrive.alerts import Alert
 from redrive.reliability import Reliability
 from redrive.stages import DEAD_LETTERED_TAG, OP_RETRY_POLICY, DeferredRetry, EntityRunFields, Unit, entity_run_config, run_stage, sanitized_body
@@ -122,6 +123,25 @@ def alert_breaches(runtime: Reliability, partition: Partition, health: Partition
     return sent
 
 
+def partition_verdict(partition: Partition, failed_now: int, completed_now: int, dead_lettered: int) -> str | None:
+    """Pure: why this run must end failed, or None when the partition is done (issue 27).
+
+    A partition is green only when none of its users is dead-lettered. A run that leaves users failed —
+    its own failures, or, for a replay of some users, the others still waiting for theirs — fails, and
+    Dagster records the partition as failed, not materialized: an operator who reruns the red partitions
+    finds it, and the rerun (which redoes only unfinished users) turns it green once the last user is done.
+    """
+    if failed_now:
+        return (f"{partition.entity_ref}: {failed_now} users failed for good and are dead-lettered "
+                f"({completed_now} completed); rerun the partition after the fix (it redoes only unfinished "
+                "users) or `redrive dlq replay` them")
+    if dead_lettered:
+        return (f"{partition.entity_ref}: this run completed {completed_now} users, but {dead_lettered} users of "
+                "the partition are still dead-lettered; replay them (`redrive dlq list --pipeline matchmaking`) "
+                "or rerun the partition after the fix")
+    return None
+
+
 @dataclass(frozen=True)
 class Built:
     partitions: dg.MultiPartitionsDefinition
@@ -175,20 +195,20 @@ def build(settings: MatchmakingSettings) -> Built:
                                log=context.log).run(pool, config.user_ids or None)
         with runtime.engine.connect() as conn:
             health = repository.partition_health(conn, partition.date, partition.timezone)
+            # issue 27: a replay of some users runs only them; the others still dead-lettered keep it red
+            still_dead = deadletters.active_under(conn, PIPELINE, partition.entity_ref)
         breaches = alert_breaches(runtime, partition, health, outcome.job_p95_seconds, context.run_id)
         metadata = {**outcome.metadata(), "partition_completion_rate": round(health.completion_rate, 6),
                     "partition_failure_rate": round(health.failure_rate, 6),
-                    "duplicate_offers": health.duplicate_offers, "threshold_alerts": breaches}
+                    "duplicate_offers": health.duplicate_offers, "threshold_alerts": breaches,
+                    "users_dead_lettered": len(still_dead)}
         checks = check_results(health)
-        if outcome.failed:
+        verdict = partition_verdict(partition, len(outcome.failed), outcome.completed, len(still_dead))
+        if verdict is not None:
             yield from checks
             # each failed user already has its dead letter and alert: the run-failure sensor must not add one
             context.instance.add_run_tags(context.run_id, {DEAD_LETTERED_TAG: "true"})
-            raise dg.Failure(
-                description=f"{partition.entity_ref}: {len(outcome.failed)} users failed for good and are "
-                            f"dead-lettered ({outcome.completed} completed); rerun the partition after the fix "
-                            f"(it redoes only unfinished users) or `redrive dlq replay` them",
-                metadata=metadata, allow_retries=False)
+            raise dg.Failure(description=verdict, metadata=metadata, allow_retries=False)
         yield dg.MaterializeResult(metadata=metadata, check_results=checks)
 
     job = dg.define_asset_job(

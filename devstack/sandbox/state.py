@@ -18,6 +18,7 @@ from devstack.sandbox.faults import FaultBook, Route
 from devstack.sandbox.profiles import RouteMeters
 from devstack.sandbox.traffic import RequestLog
 from devstack.sandbox.wire import (
+    DEFAULT_LLM_ANSWERS,
     DEFAULT_LLM_CONTENT,
     EvidenceRequest,
     MailRequest,
@@ -148,7 +149,8 @@ class SandboxState:
 
     def llm_content(self, prompt: str = "") -> str:
         """The content set for prompts containing some text, else admin-set content, else admin-set JSON
-        serialised, else `{"ok": true}`."""
+        serialised, else the built-in answer valid for the pipeline asking (wire.DEFAULT_LLM_ANSWERS, then
+        wire.DEFAULT_LLM_CONTENT)."""
         with self._lock:
             for when, content in self._llm_answers.items():
                 if when in prompt:
@@ -158,7 +160,7 @@ class SandboxState:
             return default.content
         if default is not None and default.json is not None:
             return json.dumps(default.json)
-        return DEFAULT_LLM_CONTENT
+        return next((answer for when, answer in DEFAULT_LLM_ANSWERS.items() if when in prompt), DEFAULT_LLM_CONTENT)
 
     def record_llm_call(self, model: str, messages_sha256: str) -> str:
         """Log the call and return the completion id (a counter, so replays of a test match)."""

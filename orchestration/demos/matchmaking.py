@@ -78,7 +78,10 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
                if str(letters[first_bad].id) in r.dagster_run.tags.get("redrive/replay_of", "").split(",")]
     assert len(replays) == 1, "the replay sensor did not start the user's run"
     [replay] = replays
-    assert replay.success and metadata(replay)["users_processed"] == 1
+    # it completes that user, and still ends failed: the other user is dead-lettered, so the partition stays red
+    replayed = metadata(replay)
+    assert not replay.success and replayed["users_processed"] == 1 and replayed["jobs_completed"] == 1, replayed
+    assert replayed["users_dead_lettered"] == 1, replayed
 
     # 4. fix the other and rerun the partition: it completes, closing the last dead letter
     _fix(ctx.engine, second_bad)
@@ -91,7 +94,8 @@ def run_demo(ctx):  # -> orchestration.demo.DemoReport
                                     "AND user_id = ANY(CAST(:u AS uuid[]))"), {"d": PARTITION.date, "u": mine}).scalar()
     assert done == 400, done
     report.done = done
-    report.notes.append("one fixed profile replayed with `dlq replay` (1 user run), the other by a partition rerun; "
+    report.notes.append("one fixed profile replayed with `dlq replay` (1 user run, failed on purpose while the other "
+                        "is dead-lettered: the partition stays red), the other by a partition rerun (green); "
                         "both dead letters resolved")
     return report
 

@@ -36,10 +36,11 @@ def pipeline_defs(settings: Settings) -> PipelineDefs:
             "evidence_hooks": dg.ResourceDefinition.hardcoded_resource(WorkerHooks(), "no-op test seam of the worker"),
         },
         failed_for_good={pipeline.PIPELINE: repository.failed_for_good},
-        # Rows (pipeline `evidence`) are drained: their replays and retries are work rows falling due.
-        # File jobs (ingest, notifications) still replay as a run of their partition.
+        # One pipeline name, two kinds of entity: rows (`{job}/{row}`) are drained, so their replays and retries
+        # are work rows falling due; file jobs (`{job}`: ingest, notifications) have no work row and replay as a
+        # run of their partition (the replay sensor takes only letters without a work row).
         replay_targets={
-            pipeline.FILE_JOBS: ReplayTarget(job=pipeline.evidence_file_job, run_config=pipeline.file_job_run_config,
+            pipeline.PIPELINE: ReplayTarget(job=pipeline.evidence_file_job, run_config=pipeline.file_job_run_config,
                                              partition_key=policy.partition_of),
         },
         drained=[pipeline.PIPELINE],

@@ -118,6 +118,9 @@ def test_owner_retry_requeues_and_the_next_success_closes_the_dead_letter(client
     with engine.connect() as conn:
         letter = conn.execute(sa.select(dead_letters)).one()
     assert letter.status == "resolved" and letter.entity_ref == job_id
+    # the record says what happened: the owner's Retry, then the work completed; no replay was asked for
+    assert [(n["kind"], n["by"]) for n in letter.notes] == [
+        ("dead_lettered", "redrive"), ("owner_retry", "owner:alice"), ("work_completed", "redrive")]
 
 
 def test_another_users_job_answers_exactly_like_a_missing_one(client, tokens, engine, sandbox, make_worker) -> None:

@@ -18,12 +18,11 @@ import sqlalchemy as sa
 from assets.conversion import repository as repo
 from assets.conversion.api import BANNER, create_app
 from redrive.breaker import CircuitBreaker
-from redrive.settings import PROJECT_ROOT
 from tests.conversion.conftest import job, make_pdf
 
 pytestmark = pytest.mark.browser
 
-SCREENSHOT = PROJECT_ROOT / "docs" / "images" / "conversion-page.png"  # shown by the README's conversion section
+SCREENSHOT_NAME = "conversion-page.png"  # docs/images/ has the one the conversion page's docs show
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -87,11 +86,11 @@ def fail_job(engine, job_id: str, code: str = "GW_4XX", message: str = "upstream
 
 
 def test_retry_button_requeues_is_disabled_without_source_and_banner_follows_the_breaker(
-        driver, served, engine, submit, files, clock, conv_settings, tmp_path) -> None:
+        driver, served, engine, submit, files, clock, conv_settings, tmp_path, screenshot_dir) -> None:
     """In Chromium: each row shows its code with its one-line message, its attempts and, for a scheduled retry,
     when it is due (by the server's clock); failed rows have a Retry button (disabled when the PDF is gone);
     clicking it requeues the job; another user's job never appears; the "Converter busy" banner shows while the
-    breaker is open. The screenshot of that state is docs/images/conversion-page.png."""
+    breaker is open. The screenshot of that state is docs/images/conversion-page.png (`make screenshots`)."""
     from selenium.webdriver.common.by import By
 
     with engine.begin() as conn:
@@ -163,8 +162,7 @@ def test_retry_button_requeues_is_disabled_without_source_and_banner_follows_the
     banner = wait_until(lambda: driver.find_element(By.ID, "banner").is_displayed()
                         and driver.find_element(By.ID, "banner"), what="the banner")
     assert banner.text == BANNER
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    assert driver.save_screenshot(str(SCREENSHOT))
+    assert driver.save_screenshot(str(screenshot_dir / SCREENSHOT_NAME))
     with engine.begin() as conn:
         from redrive.breaker import close
 

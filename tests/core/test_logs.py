@@ -100,3 +100,30 @@ def test_the_switch_is_one_environment_variable(root, monkeypatch) -> None:
     monkeypatch.setenv(logs.FORMAT_ENV, "yaml")
     with pytest.raises(ValueError, match="REDRIVE_LOG_FORMAT"):
         logs.log_format()
+
+
+def test_a_record_its_own_logger_already_wrote_is_not_written_again(root) -> None:
+    """Issue 27: Dagster's loggers have a handler of their own (in the format `--log-format` gives them); the root
+    handler skips their records, so each record is one line; other records still reach it."""
+    buf, theirs = io.StringIO(), io.StringIO()
+    logs.configure("json", stream=buf)
+    dagster_like = logging.getLogger("tests.own_handler")
+    own = logging.StreamHandler(theirs)
+    dagster_like.addHandler(own)
+    try:
+        dagster_like.warning("said once")
+        logging.getLogger("tests.own_handler.child").warning("child said once")
+        logging.getLogger("tests.plain").warning("through the root")
+    finally:
+        dagster_like.removeHandler(own)
+    assert theirs.getvalue().splitlines() == ["said once", "child said once"]
+    assert [line["message"] for line in lines(buf)] == ["through the root"]
+
+
+def test_chatty_third_party_info_lines_are_quiet(root) -> None:
+    """botocore's "Found credentials in environment variables." on every client (every sensor tick) is not logged."""
+    buf = io.StringIO()
+    logs.configure("json", stream=buf)
+    logging.getLogger("botocore.credentials").info("Found credentials in environment variables.")
+    logging.getLogger("botocore.credentials").warning("credentials expire soon")
+    assert [line["message"] for line in lines(buf)] == ["credentials expire soon"]

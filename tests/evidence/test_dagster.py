@@ -60,7 +60,7 @@ def test_definitions_carry_the_pipeline(fast_defs) -> None:
     assert evidence_jobs == {"evidence_file_job"}
     sensors = {s.name for s in repo_def.sensor_defs if s.name.startswith("evidence")}
     assert sensors == {"evidence_inbox", "evidence_due_work", "evidence_retry_scheduler", "evidence_metrics",
-                       "evidence_file_jobs_deferred_retries"}
+                       "evidence_deferred_retries"}
     assert not [s for s in repo_def.schedule_defs if s.name.startswith("evidence")]
     assert dg.AssetKey("evidence_metrics") in {spec.key for spec in fast_defs.assets}
     assert {"case_api", "merchant_mail", "evidence_options", "evidence_hooks"} <= set(fast_defs.resources)

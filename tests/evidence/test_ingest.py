@@ -31,7 +31,7 @@ def test_inbox_zip_becomes_partition_rows_artifacts_and_events(driver, engine, s
 
     [request] = driver.tick("evidence_inbox")
     assert request.partition_key == str(job_id)
-    assert request.run_key == f"evidence_file_jobs:ingest:{job_id}:attempt-1"
+    assert request.run_key == f"evidence:ingest:{job_id}:attempt-1"
     assert str(job_id) in driver.instance.get_dynamic_partitions("evidence_file_jobs")
     result = driver.launch(request, op_selection=["ingest_file_job"])  # what ingest records, before the drain
     assert result is not None and result.success
@@ -95,7 +95,7 @@ def test_zip_gone_before_ingest_is_dead_lettered(driver, engine, s3, bucket, inb
     assert not result.success
     with engine.connect() as conn:
         letter = conn.execute(sa.text("SELECT pipeline, stage, entity_ref, error_class FROM dead_letters")).one()
-    assert tuple(letter) == ("evidence_file_jobs", "ingest", request.partition_key, "S3_NOT_FOUND")
+    assert tuple(letter) == ("evidence", "ingest", request.partition_key, "S3_NOT_FOUND")
     slack = sandbox.effects("slack.message")
     assert len(slack) == 1 and "S3_NOT_FOUND" in slack[0]["payload"]["text"]
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from orchestration import registry
 from orchestration.registry import PIPELINES, Pipeline, missing_pieces
 from redrive.settings import PROJECT_ROOT, Settings
 
@@ -20,7 +19,8 @@ def test_every_registered_pipeline_is_complete(pipeline: Pipeline, settings: Set
 
 def test_a_pipeline_missing_a_piece_is_reported(settings: Settings) -> None:
     """An entry whose demo does not exist and that has no replay path is caught, piece by piece."""
-    broken = Pipeline(name="rehearsal", wiring="orchestration.pipelines.rehearsal", schema="assets.rehearsal.repository",
+    first = PIPELINES[0]
+    broken = Pipeline(name=first.name, wiring=first.wiring, schema=first.schema,
                       demo="orchestration.demos.no_such_demo", commands={"x": "orchestration.cli:nope"})
     found = missing_pieces(broken, settings)
     assert any(m.startswith("demo: cannot import orchestration.demos.no_such_demo") for m in found)
@@ -29,23 +29,58 @@ def test_a_pipeline_missing_a_piece_is_reported(settings: Settings) -> None:
 
 def test_a_pipeline_without_a_replay_path_is_reported(settings: Settings, monkeypatch) -> None:
     """A pipeline neither drained nor with a replay target cannot be replayed: the check says so."""
-    from orchestration.pipelines import rehearsal
+    import importlib
 
-    original = rehearsal.pipeline_defs
-    monkeypatch.setattr(rehearsal, "pipeline_defs", lambda s: original(s).__class__(
-        name="rehearsal", jobs=original(s).jobs))
-    [missing] = missing_pieces(registry.selected(["rehearsal"])[0], settings)
+    pipeline = PIPELINES[0]
+    wiring = importlib.import_module(pipeline.wiring)
+    original = wiring.pipeline_defs
+    monkeypatch.setattr(wiring, "pipeline_defs", lambda s: original(s).__class__(
+        name=pipeline.name, jobs=original(s).jobs))
+    [missing] = missing_pieces(pipeline, settings)
     assert missing.startswith("replay: neither drained nor given a replay target")
 
 
-def test_the_code_location_the_schema_and_the_cli_read_the_same_list() -> None:
-    """Nothing else keeps a list of pipelines: the demo, Alembic and the CLI take theirs from the registry."""
+def wired_pipelines() -> set[str]:
+    """The pipelines as the folders show them: each has its wiring module in orchestration/pipelines/."""
+    return {p.stem for p in (PROJECT_ROOT / "orchestration" / "pipelines").glob("*.py") if p.stem != "__init__"}
+
+
+def name_lists(names: set[str], roots: tuple[str, ...] = ("redrive", "resources", "assets", "sensors",
+                                                          "orchestration", "devstack")) -> list[str]:
+    """Literal lists, tuples or sets in the code naming three or more pipelines: a copy of the registry. (A table
+    keyed by pipeline with a value for each, like the benchmarks' loads, is per-pipeline data, not a list.)"""
+    found = []
+    for top in roots:
+        for path in sorted((PROJECT_ROOT / top).rglob("*.py")):
+            if path == PROJECT_ROOT / "orchestration" / "registry.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                items = node.elts if isinstance(node, (ast.List, ast.Tuple, ast.Set)) else None
+                named = {i.value for i in items or () if isinstance(i, ast.Constant) and i.value in names}
+                if len(named) >= 3:
+                    found.append(f"{path.relative_to(PROJECT_ROOT)}:{node.lineno} names {sorted(named)}")
+    return found
+
+
+def test_the_registry_is_the_only_list_of_pipelines() -> None:
+    """Every pipeline package with wiring is registered and every entry has its package; no module keeps a
+    literal list of pipeline names of its own; the demo, Alembic and the CLI import no pipeline by name."""
     names = {p.name for p in PIPELINES}
-    assert names == {"rehearsal", "conversion", "criticizer", "matching", "matchmaking", "review_notifications",
-                     "evidence"}
+    assert names == wired_pipelines()
+    assert all((PROJECT_ROOT / "assets" / name / "__init__.py").exists() for name in names)
+    assert name_lists(names) == []
     for path in ("orchestration/demo.py", "orchestration/cli.py", "migrations/env.py", "redrive/schema.py"):
         source = (PROJECT_ROOT / path).read_text()
         assert "orchestration.pipelines." not in source and "assets.evidence" not in source, path
+
+
+def test_the_list_check_sees_a_copy(tmp_path: Path, monkeypatch) -> None:
+    """The check is not vacuous: a module listing three pipelines by name is reported."""
+    (tmp_path / "sensors").mkdir()
+    (tmp_path / "sensors" / "copy.py").write_text("WATCHED = ('alpha', 'beta', 'gamma')\nOTHER = ['alpha']\n")
+    monkeypatch.setitem(globals(), "PROJECT_ROOT", tmp_path)
+    assert name_lists({"alpha", "beta", "gamma"}, roots=("sensors",)) == [
+        "sensors/copy.py:1 names ['alpha', 'beta', 'gamma']"]
 
 
 RANK = {"redrive": 0, "resources": 1, "assets": 2, "sensors": 3, "orchestration": 4}

@@ -139,6 +139,8 @@ def test_bad_credentials_dead_letter_the_job_and_a_replay_finishes_it(daemon, en
     sandbox.script("mail.send", {"status": 401})
     run = daemon.drain()
     assert run.success and output(run)["dead_lettered"] == 1  # a dead-lettered job never fails the drain run
+    # … but the run says so in the run list (issue 27: a drain run that dead-letters must not look healthy)
+    assert daemon.instance.get_run_by_id(run.run_id).tags["redrive/entities_dead_lettered"] == "1"
     [letter] = letters(engine)
     assert (letter.entity_ref, letter.stage, letter.error_class) == ("CL-1:v3", "send", "PROVIDER_AUTH_DENIED")
     assert job_status(engine, "CL-1:v3") == policy.RETRYABLE_FAILED

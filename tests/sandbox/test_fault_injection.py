@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from devstack.sandbox import SandboxClient
+from devstack.sandbox.wire import DEFAULT_LLM_CONTENT
 
 from .payloads import LLM_AUTH, chat_body, mail
 
@@ -28,7 +29,7 @@ def test_scripted_sequence_is_served_in_order(sandbox: SandboxClient, http: http
     assert third.status_code == 200
     completion = third.json()
     assert completion["object"] == "chat.completion"
-    assert completion["choices"][0]["message"] == {"role": "assistant", "content": '{"ok": true}', "refusal": None}
+    assert completion["choices"][0]["message"] == {"role": "assistant", "content": DEFAULT_LLM_CONTENT, "refusal": None}
     assert completion["choices"][0]["finish_reason"] == "stop"
     served = [(r["step"], r["status"]) for r in sandbox.requests("llm")]
     assert served == [("status:429", 429), ("status:503", 503), ("ok", 200)]
