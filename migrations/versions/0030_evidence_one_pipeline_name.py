@@ -5,7 +5,7 @@ The one case that could collide — a file job with an active letter under both 
 partition wrote one under `evidence`) — keeps the `evidence` letter; the other is resolved with a note naming it.
 
 Revision ID: 0030
-Revises: 0006
+Revises: 0021
 Create Date: 2026-11-26 19:20:00.000000
 """
 
@@ -46,16 +46,22 @@ def _rename(old: str, new: str) -> None:
               AND NOT EXISTS (SELECT 1 FROM {table} n WHERE n.pipeline = :new AND {same})"""), params)
     # counters add up under the new name
     op.get_bind().execute(sa.text("""
-        INSERT INTO stage_observations AS s (pipeline, stage, outcome, error_class, count, buckets, sum_seconds,
-                                             updated_at)
-        SELECT :new, stage, outcome, error_class, count, buckets, sum_seconds, updated_at
+        INSERT INTO stage_observations AS s (pipeline, stage, outcome, error_class, shard, count, buckets,
+                                             sum_seconds, updated_at)
+        SELECT :new, stage, outcome, error_class, shard, count, buckets, sum_seconds, updated_at
         FROM stage_observations WHERE pipeline = :old
-        ON CONFLICT (pipeline, stage, outcome, error_class) DO UPDATE SET
+        ON CONFLICT (pipeline, stage, outcome, error_class, shard) DO UPDATE SET
             count = s.count + excluded.count, sum_seconds = s.sum_seconds + excluded.sum_seconds,
             buckets = (SELECT array_agg(coalesce(a, 0) + coalesce(b, 0) ORDER BY i)
                        FROM unnest(s.buckets, excluded.buckets) WITH ORDINALITY AS u(a, b, i)),
             updated_at = greatest(s.updated_at, excluded.updated_at)"""), params)
     op.get_bind().execute(sa.text("DELETE FROM stage_observations WHERE pipeline = :old"), params)
+    op.get_bind().execute(sa.text("""
+        INSERT INTO metric_counters AS c (name, labels, shard, value)
+        SELECT name, jsonb_set(labels, '{pipeline}', to_jsonb(CAST(:new AS text))), shard, value
+        FROM metric_counters WHERE labels ->> 'pipeline' = :old
+        ON CONFLICT (name, labels, shard) DO UPDATE SET value = c.value + excluded.value"""), params)
+    op.get_bind().execute(sa.text("DELETE FROM metric_counters WHERE labels ->> 'pipeline' = :old"), params)
 
 
 def upgrade() -> None:
