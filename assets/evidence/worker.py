@@ -32,6 +32,7 @@ from redrive.failures import Code, Failure, PermanentError, classify_exception
 from redrive.reliability import Reliability
 from redrive.sanitize import sanitize_text
 from redrive.vocabularies import EVIDENCE
+from redrive.upstream_policy import RetryDeferred
 from resources.evidence import CaseApiClient, MailClient
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,8 @@ class AttachWorker:
             done = self.case_api.attach(a.case_id, a.id, filename=posixpath.basename(a.file_name),
                                         content_sha256=a.content_sha256 or "", s3_key=a.s3_key)
             return policy.AttemptOutcome(done.attachment_id)
+        except RetryDeferred:
+            raise  # the case API's retry budget held this retry back before sending: the drain defers the row
         except Exception as exc:  # noqa: BLE001 - every failure is classified into 004's codes
             failure = EVIDENCE.apply(classify_exception(exc, now=self.runtime.now()))
         if failure.retryable and last:

@@ -42,6 +42,18 @@ def _setup(engine: sa.Engine, clock: FrozenClock, n: int) -> Watched:
     return drain
 
 
+def _held_until(release: threading.Event, started: threading.Semaphore, calls: list[str]):  # type: ignore[no-untyped-def]
+    """A handler whose entities start, say so, and finish their one stage only once `release` is set."""
+
+    def handle(attempt: Attempt) -> None:
+        calls.append(attempt.entity_ref)
+        started.release()
+        assert release.wait(20)
+        attempt.stage("send", lambda: {"sent": True})
+
+    return handle
+
+
 def _rows(engine: sa.Engine) -> dict[str, tuple[str, dict[str, int]]]:
     with engine.connect() as conn:
         rows = conn.execute(sa.select(work_items.c.entity_ref, work_items.c.status, work_items.c.attempts)).all()
@@ -55,12 +67,7 @@ def test_a_run_paused_past_its_leases_does_not_reclaim_its_own_work(engine: sa.E
     drain = _setup(engine, clock, 4)
     release, started = threading.Event(), threading.Semaphore(0)
     calls: list[str] = []
-
-    def handle(attempt: Attempt) -> None:
-        calls.append(attempt.entity_ref)
-        started.release()
-        assert release.wait(20)
-        attempt.stage("send", lambda: {"sent": True})
+    handle = _held_until(release, started, calls)
 
     result: list = []
     runner = threading.Thread(target=lambda: result.append(drain.run(handle)))
@@ -87,12 +94,7 @@ def test_a_database_outage_longer_than_the_lease_records_every_finished_entity(e
     drain.outage_sleep = lambda s: threading.Event().wait(min(s, 0.05))
     release, started = threading.Event(), threading.Semaphore(0)
     calls: list[str] = []
-
-    def handle(attempt: Attempt) -> None:
-        calls.append(attempt.entity_ref)
-        started.release()
-        assert release.wait(20)
-        attempt.stage("send", lambda: {"sent": True})
+    handle = _held_until(release, started, calls)
 
     name = db_url.rsplit("/", 1)[1].split("?")[0]
     admin = sa.create_engine(with_database(admin_url, "postgres"), isolation_level="AUTOCOMMIT")
