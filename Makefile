@@ -84,6 +84,12 @@ clean:
 serve: install
 	@$(PY) -m devstack serve $(if $(WORKERS),--workers $(WORKERS))
 
+## make rehearse RECIPES="llm-401 bad-profile": arm failures to practise the runbooks on, on a running `make serve`
+## (run it in a second shell; without RECIPES it lists them). docs/operating.md → "Rehearse locally".
+.PHONY: rehearse
+rehearse: install
+	@$(VENV)/bin/redrive rehearse $(or $(RECIPES),list)
+
 ## make screenshots: the browser tests, saving their screenshots into docs/images (the suite alone writes none there)
 .PHONY: screenshots
 screenshots: install browser

@@ -21,6 +21,7 @@ ENDPOINTS: tuple[tuple[str, str], ...] = (
     ("DAGSTER_UI_URL", "Dagster UI (runs, assets, checks, sensors)"),
     ("CONVERSION_API", "conversion API and page (a token: python -m assets.conversion.api token alice)"),
     ("METRICS_URL", "Prometheus metrics of every pipeline"),
+    ("DLQ_CONSOLE_URL", "dead-letter console (an operator token: redrive console token NAME)"),
     ("SANDBOX_URL", "the sandbox (LLM, case API, mail, PDF gateway, Slack, …; faults at /_admin/faults)"),
     ("AWS_ENDPOINT_URL", "S3 and SQS (moto)"),
     ("DATABASE_URL", "PostgreSQL of redrive (the `redrive` command's database)"),

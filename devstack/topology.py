@@ -50,6 +50,7 @@ class Service:
     command: tuple[str, ...]
     role: str
     health: str | None = None  # "grpc", or an HTTP path answered once the process serves
+    port: str | None = None  # the placeholder of its HTTP port, where the health path alone does not say
 
     def argv(self, values: Mapping[str, str]) -> list[str]:
         return [part.format(**values) for part in self.command]
@@ -71,11 +72,15 @@ SERVICES: tuple[Service, ...] = (
             "claims and converts PDF jobs until SIGTERM; WORKER_CONCURRENCY jobs in flight each (003 §3.4)"),
     Service("metrics", ("redrive", "metrics", "serve", "--host", "{host}", "--port", "{metrics_port}"),
             "Prometheus /metrics of every pipeline, read from PostgreSQL at each scrape (issue 16 §3)", "/metrics"),
+    Service("dlq-console", ("redrive", "console", "serve", "--host", "{host}", "--port", "{console_port}"),
+            "the dead-letter console: every pipeline's letters by root cause; replay and resolve (issue 27)",
+            "/healthz", port="console_port"),
 )
 MIGRATE: tuple[str, ...] = ("redrive", "db", "upgrade")  # once per release, before the services start
 
 # What docs/deploying.md shows: the ports of a deployment and the workspace the chart or compose file mounts.
 DEPLOYED = {"host": "0.0.0.0", "grpc_port": "4000", "webserver_port": "3000", "api_port": "8090", "metrics_port": "9108",
+            "console_port": "8095",
             "workspace": "/opt/dagster/dagster_home/workspace.yaml", "dagster_log_format": "json"}
 # Dagster's own processes write their lines in the format redrive's do (REDRIVE_LOG_FORMAT): one line per record
 DAGSTER_LOG_FORMATS = {"json": "json", "text": "colored"}
@@ -137,6 +142,10 @@ class Topology:
         return f"http://{self.host}:{self.values['api_port']}"
 
     @property
+    def console_url(self) -> str:
+        return f"http://{self.host}:{self.values['console_port']}"
+
+    @property
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.values['metrics_port']}/metrics"
 
@@ -180,6 +189,7 @@ class Topology:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.values = {"host": self.host, "grpc_port": str(free_port()), "webserver_port": str(free_port()),
                        "api_port": str(free_port()), "metrics_port": str(free_port()),
+                       "console_port": str(free_port()),
                        "workspace": str(self.home / "workspace.yaml")}
         self.values["dagster_log_format"] = DAGSTER_LOG_FORMATS[log_format(self._child_env())]
         shutil.copyfile(INSTANCE_YAML, self.home / "dagster.yaml")
@@ -208,6 +218,8 @@ class Topology:
         env = self._child_env()
         out = {"DAGSTER_UI_URL": env["DAGSTER_UI_URL"], "CONVERSION_API": self.api_url,
                "METRICS_URL": self.metrics_url}
+        if "console_port" in self.values:
+            out["DLQ_CONSOLE_URL"] = self.console_url
         for key in ("SANDBOX_URL", "AWS_ENDPOINT_URL", "DATABASE_URL"):
             if env.get(key):
                 out[key] = env[key]
@@ -233,15 +245,16 @@ class Topology:
             if process.proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {process.proc.returncode} while starting: "
                                    f"{self.tail(name)}")
-            if health is None or self._healthy(health):
+            if health is None or self._healthy(health, process.service.port):
                 return
             time.sleep(0.25)  # polling a process we started until it serves; not a timing assertion
         raise RuntimeError(f"{name} did not become healthy in {self.start_timeout:.0f}s: {self.tail(name)}")
 
-    def _healthy(self, health: str) -> bool:
+    def _healthy(self, health: str, port_key: str | None = None) -> bool:
         if health == "grpc":
             return grpc_serving(self.host, int(self.values["grpc_port"]))
-        port = {"/server_info": self.values["webserver_port"], "/metrics": self.values["metrics_port"]}.get(
+        port = self.values[port_key] if port_key else {
+            "/server_info": self.values["webserver_port"], "/metrics": self.values["metrics_port"]}.get(
             health, self.values["api_port"])
         try:
             return httpx.get(f"http://{self.host}:{port}{health}", timeout=2.0).status_code == 200

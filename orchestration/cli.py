@@ -10,6 +10,7 @@
     redrive dlq reconcile [--limit N]
     redrive breaker [--window N] [--json]
     redrive rehearse list | RECIPE… | all       (on a running `make serve`)
+    redrive console token NAME | serve [--host H] [--port P]
     redrive alerts dispatch
     redrive db upgrade | downgrade
     redrive metrics serve [--host H] [--port P]
@@ -122,6 +123,11 @@ def metrics_app() -> None:
 @app.group(cls=_Group)
 def db() -> None:
     """schema migrations"""
+
+
+@app.group("console", cls=_Group)
+def console_app() -> None:
+    """The dead-letter console: a web page of every pipeline's dead letters by root cause."""
 
 
 @app.group("alerts", cls=_Group)
@@ -615,6 +621,33 @@ def retention_run(batch_size: int | None, pause: float | None) -> None:
             click.echo(f"{rule}: {n} rows")
     click.echo(f"{pruned.total} rows in {pruned.batches} batches, {pruned.files} files"
                + ("" if pruned.complete else "; stopped at RETENTION_MAX_RUN_SECONDS, run again to go on"))
+
+
+@console_app.command("token")
+@click.argument("operator")
+def console_token(operator: str) -> None:
+    """A new operator token for OPERATOR (shown once; only its hash is stored)."""
+    from redrive import operators
+
+    with connection() as conn:
+        click.echo(operators.create_token(conn, operator))
+
+
+@console_app.command("serve")
+@click.option("--host", default="127.0.0.1", help="address to listen on")
+@click.option("--port", type=int, default=8095, help="port of the page and its API")
+def console_serve(host: str, port: int) -> None:
+    """Serve the dead-letter console until SIGTERM (the Dagster run links use DAGSTER_UI_URL)."""
+    import uvicorn
+
+    from orchestration.console import create_app
+    from redrive.db import engine_for
+    from redrive.settings import Settings
+
+    with database_url() as url:
+        click.echo(f"serving the dead-letter console on http://{host}:{port}/", err=True)
+        uvicorn.run(create_app(engine_for(url), ui_url=Settings().dagster_ui_url), host=host, port=port,
+                    log_config=None, access_log=False)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -74,7 +74,7 @@ PIPELINES: tuple[Pipeline, ...] = (
 
 # Core modules with tables of their own besides redrive.schema.
 CORE_SCHEMAS: tuple[str, ...] = ("redrive.schema", "redrive.breaker", "redrive.observations", "redrive.counters",
-                                 "redrive.upstreams")
+                                 "redrive.upstreams", "redrive.operators")
 
 
 def selected(names: Iterable[str] | None = None) -> tuple[Pipeline, ...]:

@@ -160,9 +160,11 @@ def gateway_reject(r: Rehearsal) -> dict[str, str]:
 
 
 def gateway_outage(r: Rehearsal, jobs: int = 12) -> dict[str, str]:
-    """The PDF gateway answers 503 to everything for a while: retries, then the breaker opens (banner, /api/status)."""
+    """The PDF gateway is down for a while (503 to conversions and to the breaker's health probes): retries, then the
+    breaker opens and stays open through ten probes (banner, /api/status)."""
     token = _token(r)
     r.sandbox.script("pdf.convert", *[{"status": 503}] * 40)
+    r.sandbox.script("pdf.health", *[{"status": 503}] * 10)  # down for its probes too: open for ~10 cooldowns
     for i in range(jobs):
         _conversion_job(r, token, f"rehearsal-{r.tag}-{i}")
     from assets.conversion.settings import BREAKER

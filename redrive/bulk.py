@@ -32,7 +32,7 @@ def pacing(count: int, rate: float) -> list[float]:
 
 
 def bulk_replay(engine: sa.Engine, flt: Filter, *, evidence: str, confirm_safe: bool, rate: float,
-                clock: Clock, sleep: Sleep) -> BulkReport:
+                clock: Clock, sleep: Sleep, operator: str = "bulk-redrive") -> BulkReport:
     with engine.connect() as conn:
         targets = [letter.id for letter in deadletters.list_(conn, flt)]
     report = BulkReport()
@@ -44,7 +44,7 @@ def bulk_replay(engine: sa.Engine, flt: Filter, *, evidence: str, confirm_safe: 
         try:
             with engine.begin() as conn:
                 deadletters.request_replay(conn, letter_id, evidence=evidence, confirm_safe=confirm_safe,
-                                           at=clock.now(), operator="bulk-redrive")
+                                           at=clock.now(), operator=operator)
         except ReplayRefused as refused:
             report.refused += 1
             report.refusals.append(f"{letter_id}: {refused}")

@@ -44,11 +44,13 @@ def test_every_endpoint_is_printed_and_the_ui_url_is_the_webservers(tmp_path: Pa
     conversion, metrics, sandbox, S3 and database endpoints and the env file."""
     topology = Topology(home=tmp_path / "home", env={"DATABASE_URL": "postgresql://db", "SANDBOX_URL": "http://sb",
                                                      "AWS_ENDPOINT_URL": "http://s3", "DAGSTER_PG_URL": "postgresql://d"})
-    topology.values = {"host": "127.0.0.1", "webserver_port": "3111", "api_port": "3112", "metrics_port": "3113"}
+    topology.values = {"host": "127.0.0.1", "webserver_port": "3111", "api_port": "3112", "metrics_port": "3113",
+                       "console_port": "3114"}
     assert topology._child_env()["DAGSTER_UI_URL"] == "http://127.0.0.1:3111"
     endpoints = topology.endpoints()
     assert endpoints == {"DAGSTER_UI_URL": "http://127.0.0.1:3111", "CONVERSION_API": "http://127.0.0.1:3112",
-                         "METRICS_URL": "http://127.0.0.1:3113/metrics", "SANDBOX_URL": "http://sb",
+                         "METRICS_URL": "http://127.0.0.1:3113/metrics", "DLQ_CONSOLE_URL": "http://127.0.0.1:3114",
+                         "SANDBOX_URL": "http://sb",
                          "AWS_ENDPOINT_URL": "http://s3", "DATABASE_URL": "postgresql://db",
                          "DAGSTER_PG_URL": "postgresql://d", "DAGSTER_HOME": str(tmp_path / "home")}
     text = endpoint_lines(endpoints, tmp_path / "serve.env", tmp_path / "logs")
