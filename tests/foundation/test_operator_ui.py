@@ -107,7 +107,7 @@ def test_a_dead_letter_is_a_failing_check_on_the_next_tick_and_clears_on_resolve
     runtime = defs.resources["reliability"].runtime()
     with DagsterUi(defs, instance) as ui:
         first = evaluate_sensor_tick(defs, instance, sensor.name)
-        assert first.asset_events == 3 * len(PIPELINES)
+        assert first.asset_events == 4 * len(PIPELINES)  # open letters, stale letters, due work, progressing
         assert ui.latest_check("criticizer_backlog", backlog.OPEN_LETTERS)[0] == "SUCCEEDED"
 
         letter = runtime.fail_for_good(FinalFailure(
