@@ -58,8 +58,8 @@ class SocketProxy:
     """PostgreSQL's Unix socket as the worker sees it, through a proxy we can pull: `down()` closes every
     connection and stops listening, which is PostgreSQL gone from the worker's side (the suite's server stays up)."""
 
-    def __init__(self, target: str, folder: Path) -> None:
-        self.target, self.path = target, folder / Path(target).name
+    def __init__(self, target: str | tuple[str, int], folder: Path, port: int) -> None:
+        self.target, self.path = target, folder / f".s.PGSQL.{port}"
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.server.bind(str(self.path))
         self.server.listen(64)
@@ -73,7 +73,8 @@ class SocketProxy:
                 client, _ = self.server.accept()
             except OSError:
                 return
-            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            family = socket.AF_UNIX if isinstance(self.target, str) else socket.AF_INET
+            upstream = socket.socket(family, socket.SOCK_STREAM)
             upstream.connect(self.target)
             self.conns += [client, upstream]
             threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
@@ -146,8 +147,11 @@ def test_a_worker_killed_where_it_cannot_report_is_failed_in_the_window_and_the_
     run = instance.create_run_for_job(job_def=job, tags=job.tags, status=dg.DagsterRunStatus.STARTED)
 
     if how == "postgres_down":
-        host = parse_qs(urlsplit(db_url).query)["host"][0]
-        proxy = SocketProxy(str(Path(host) / ".s.PGSQL.5432"), short_tmp)
+        parts = urlsplit(db_url)
+        port, host = parts.port or 5432, parse_qs(parts.query).get("host", [None])[0]
+        # the embedded server's Unix socket, or the server's TCP address (CI's second pass: DATABASE_URL)
+        target = str(Path(host) / f".s.PGSQL.{port}") if host else (parts.hostname or "127.0.0.1", port)
+        proxy = SocketProxy(target, short_tmp, port)
         worker = start_worker(with_query(db_url, host=str(short_tmp)), run.run_id)
         wait_for_beat(engine, run.run_id)
         proxy.down()  # PostgreSQL is gone from where the worker stands
