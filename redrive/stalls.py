@@ -1,7 +1,7 @@
 """A stalled pipeline is news (issue 25 §3): due work and no progress for a set time.
 
-Progress is a pipeline's counter of settled stage attempts (the rollups every process writes,
-`redrive.observations`, and a pipeline's own, e.g. conversion's job events): it moves whenever
+Progress is a pipeline's counter of settled stage attempts (the rollup every process writes,
+`redrive.observations`; conversion's job events add to it through their trigger): it moves whenever
 any attempt finishes, succeeds or fails. The stall watch (`sensors.core.pipeline_stall_sensor`)
 reads each counter and the due work every tick and keeps, per pipeline, when it last moved
 (`pipeline_progress`). `next_state` is the pure policy: a pipeline with nothing due is never

@@ -124,3 +124,15 @@ def test_a_dead_letter_is_a_failing_check_on_the_next_tick_and_clears_on_resolve
         assert out.exit_code == 0, out.output
         evaluate_sensor_tick(defs, instance, sensor.name, second.cursor)
         assert ui.latest_check("criticizer_backlog", backlog.OPEN_LETTERS) == ("SUCCEEDED", "no unresolved dead letter")
+
+
+def test_the_stall_watch_ticks_on_the_code_location_with_every_pipeline(defs, instance, engine) -> None:
+    """The deployed `redrive_stall_watch`, with the registry's pipelines and their sources, evaluates without
+    error: its first tick reports `pipeline_progressing` for every pipeline (passing: nothing has stalled), and
+    a second tick with nothing changed reports nothing."""
+    first = evaluate_sensor_tick(defs, instance, "redrive_stall_watch")
+    assert first.asset_events == len(PIPELINES)
+    with engine.connect() as conn:
+        watched = set(conn.execute(sa.text("SELECT pipeline FROM pipeline_progress")).scalars())
+    assert watched == {p.name for p in PIPELINES}
+    assert evaluate_sensor_tick(defs, instance, "redrive_stall_watch").asset_events == 0
