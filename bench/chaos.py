@@ -664,8 +664,10 @@ def alerted_letters(conn: sa.Connection, pipeline: str) -> list[str]:
     return [key.split(":")[1] for key in keys if key.startswith("dead_letter:")]
 
 
-def unreplayable(engine: sa.Engine, pipeline: str, drained: set[str], targets: set[str]) -> list[int]:
-    """Dead letters `redrive dlq replay` would refuse or could not run: requested, then rolled back."""
+def unreplayable(engine: sa.Engine, pipeline: str, drained: set[str], targets: set[str]) -> list[str]:
+    """Dead letters `redrive dlq replay` would refuse or could not run: requested, then rolled back.
+
+    Each as ``"<id>: <why>"`` so the report's examples say what to look at."""
     from redrive import deadletters, work
     from redrive.schema import dead_letters
 
@@ -681,9 +683,9 @@ def unreplayable(engine: sa.Engine, pipeline: str, drained: set[str], targets: s
                                        at=datetime.now(UTC))
             runnable = (pipeline in drained and work.has_item(conn, pipeline, ref)) or pipeline in targets
             if not runnable:
-                bad.append(letter_id)
-        except deadletters.ReplayRefused:
-            bad.append(letter_id)
+                bad.append(f"{letter_id}: no work item for {ref} to replay into")
+        except deadletters.ReplayRefused as refused:
+            bad.append(f"{letter_id}: {refused}")
         finally:
             tx.rollback()
             conn.close()

@@ -371,13 +371,15 @@ class HotPath:
     """The worker's held DB-API connection for its per-turn statement (no pool checkout, no pre-ping).
 
     Autocommit on: a turn without results to publish is one implicit transaction; a turn with some is
-    ``BEGIN; EXECUTE …`` in one round trip, the caller's publishing, then ``COMMIT``.
+    ``BEGIN; SET LOCAL …; EXECUTE …`` in one round trip, the caller's publishing, then ``COMMIT``. The
+    transaction carries ``idle_limit_ms`` as its idle-in-transaction timeout: a worker frozen while it
+    publishes must not keep its rows locked (so unreclaimable) for longer than a lease.
     """
 
-    def __init__(self, engine: sa.Engine, breaker: str) -> None:
+    def __init__(self, engine: sa.Engine, breaker: str, idle_limit_ms: int = 60_000) -> None:
         from redrive.breaker import OK_CALLS_CTE
 
-        self.engine, self.breaker = engine, breaker
+        self.engine, self.breaker, self.idle_limit_ms = engine, breaker, int(idle_limit_ms)
         self._sql = CYCLE_SQL.format(calls=OK_CALLS_CTE.format(breaker="$7", durations="$5", at="$6"))
         self._raw: Any = None
         self._open = False
@@ -414,7 +416,8 @@ class HotPath:
             cur = self._cursor()
             with cur:
                 if ordered:
-                    cur.execute("BEGIN; " + execute, params)
+                    cur.execute(f"BEGIN; SET LOCAL idle_in_transaction_session_timeout = {self.idle_limit_ms}; "
+                                + execute, params)
                     self._open = True
                 else:
                     cur.execute(execute, params)

@@ -419,7 +419,7 @@ class Worker:
             self.sleep = self.shutdown.wait
         self.keeper = LeaseKeeper(self)
         self.slots = Slots(self.settings.worker_concurrency, self._attempt, self.worker_id)
-        self.hot = repo.HotPath(self.engine, BREAKER)
+        self.hot = repo.HotPath(self.engine, BREAKER, idle_limit_ms=self._idle_limit_ms())
         self.health = Health()
         self.in_flight: dict[tuple[str, int], repo.Lease] = {}
         self.abandoned: set[tuple[str, int]] = set()
@@ -647,6 +647,24 @@ class Worker:
         except OSError:
             self.log("health_file_error", level=logging.WARNING)
 
+    # -- transactions ---------------------------------------------------------------------------------
+
+    def _idle_limit_ms(self) -> int:
+        """How long PostgreSQL waits on this worker inside a transaction: one lease (at least a second)."""
+        return max(1000, int(self.settings.worker_lease_ttl_sec * 1000))
+
+    @contextlib.contextmanager
+    def _begin(self) -> Iterator[sa.Connection]:
+        """A transaction PostgreSQL ends by itself if this process freezes inside it for longer than a lease.
+
+        A worker stopped mid-transaction (SIGSTOP, a frozen VM, a partition that keeps the socket open) would
+        otherwise keep its rows locked for as long as it is away; the reclaim skips locked rows, so its jobs
+        would wait for it however long their leases have been expired. Past a lease they are not ours anyway.
+        """
+        with self.engine.begin() as conn:
+            conn.exec_driver_sql(f"SET LOCAL idle_in_transaction_session_timeout = {self._idle_limit_ms()}")
+            yield conn
+
     # -- reclaim --------------------------------------------------------------------------------------
 
     def _reclaim_due(self) -> bool:
@@ -675,7 +693,7 @@ class Worker:
         if not leases:
             return
         now = self.clock.now()
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             held = repo.extend_many(conn, leases, now, self.settings.worker_lease_ttl_sec)
         for lease in leases:
             if lease.job_id not in held:  # reclaimed by another worker while we were away: its write will say so
@@ -686,7 +704,7 @@ class Worker:
         """003 §3.4 reclaim step; a lease lost on the last attempt fails the job, dead letter and alert included,
         in the same transaction (issue 13 item 3)."""
         now = self.clock.now()
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             moved = repo.reclaim_expired(conn, now, self.settings.retry_max_attempts)
             for r in moved:
                 if r.outcome == "fail":
@@ -776,7 +794,7 @@ class Worker:
         if self.shutdown.requested or limit <= 0:
             return []  # 003 §3.5: stop claiming
         now = self.clock.now()
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             leases = repo.claim_many(conn, self.worker_id, now, self.settings.worker_lease_ttl_sec, BREAKER, limit)
         for lease in leases:
             self.report.claimed += 1
@@ -789,7 +807,7 @@ class Worker:
     def extend_many(self, leases: Sequence[repo.Lease]) -> set[str]:
         """Every lease in one fenced statement; the lost ones are logged and counted as refused writes."""
         now = self.clock.now()
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             held = repo.extend_many(conn, leases, now, self.settings.worker_lease_ttl_sec)
         for lease in leases:
             if lease.job_id in held:
@@ -873,7 +891,7 @@ class Worker:
             self.hot.reset()
             raise
         if cycle.call_ids is not None and prune_due(*cycle.call_ids):
-            with self.engine.begin() as conn:
+            with self._begin() as conn:
                 prune_if_due(conn, BREAKER, *cycle.call_ids)
         refused = [a for a in successes if a.lease.job_id not in cycle.completed]
         if refused:
@@ -996,7 +1014,7 @@ class Worker:
 
     def requeue(self, lease: repo.Lease, reason: str) -> bool:
         """003 §3.5: the in-flight job cannot finish — back to ``queued``, lease cleared, attempt given back."""
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             ok = repo.requeue(conn, lease, self.clock.now(), reason)
         if ok:
             self.report.requeued += 1
@@ -1009,7 +1027,7 @@ class Worker:
     def _fenced(self, lease: repo.Lease, write: str) -> None:
         """A late write of a lease that was reclaimed: refused by the database, logged and counted."""
         self.report.fenced += 1
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             repo.record_fenced(conn, lease, write, self.clock.now())
         self.log("lease_lost_write_refused", job_id=lease.job_id, attempt=lease.attempt, epoch=lease.epoch,
                  write=write, level=logging.WARNING)

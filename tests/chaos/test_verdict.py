@@ -113,6 +113,7 @@ def test_a_letter_replay_cannot_run_is_unreplayable(engine) -> None:
         deadletters.request_replay(conn, letter.id, evidence="INC-1", confirm_safe=True, at=START)
     verdict = _verdict(engine, refs)  # a letter already replaying is refused by `redrive dlq replay`
     assert verdict.unreplayable == 1 and verdict.failed
+    assert verdict.examples["unreplayable"] == [f"{letter.id}: dead letter {letter.id} is already being replayed"]
     with engine.connect() as conn:  # the dry check changed nothing
         assert deadletters.active_for(conn, PIPELINE, "e-4").status == "open"
 

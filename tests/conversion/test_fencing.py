@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import time
 
+import psycopg2
+import pytest
 import sqlalchemy as sa
 
 from assets.conversion import repository as repo
@@ -100,3 +103,32 @@ def test_a_turn_whose_commit_was_lost_counts_only_its_own_completions(engine, su
     with engine.connect() as conn:
         assert repo.completed_before(conn, [stale]) == set()  # B's success is not A's
         assert repo.completed_before(conn, [fresh]) == {job_id}
+
+
+def test_a_worker_frozen_inside_its_turn_does_not_keep_its_jobs_locked(engine, submit, make_worker, clock) -> None:
+    """A worker stopped between its turn's statement and COMMIT (SIGSTOP, a frozen VM) held its rows locked for as
+    long as it was away, so the reclaim skipped them however long their leases had expired (CI: a paused worker's
+    jobs never taken over). Its transaction now carries the lease as PostgreSQL's idle-in-transaction limit: the
+    server ends it, the locks go, another worker takes the jobs over, and the frozen worker's COMMIT fails."""
+    first, second = submit(), submit()
+    a, b = make_worker(worker_id="a"), make_worker(worker_id="b")
+    done, pending = a.claim(), a.claim()
+    assert {done.job_id, pending.job_id} == {first, second}
+    completion = repo.Completion(done, f"{done.job_id}.xml", 1.0, {"worker": "a", "epoch": done.epoch})
+    cycle = a.hot.cycle([completion], 0, clock.now(), "a", clock.now())  # BEGIN; …; EXECUTE: the rows are locked
+    assert cycle.completed == {done.job_id}
+    clock.advance(3)  # lease TTL 2 s: both leases look expired, but A is still inside its transaction
+
+    deadline = time.monotonic() + 60  # PostgreSQL's own timer (2 s here) ends A's transaction; real time
+    taken: set[str] = set()
+    while taken != {first, second} and time.monotonic() < deadline:
+        taken |= {r.job_id for r in b.reclaim()}
+        time.sleep(0.1)
+    assert taken == {first, second}
+    with pytest.raises(psycopg2.OperationalError):
+        a.hot.commit()  # A wakes up: its session is gone, its completion with it
+    a.hot.reset()
+    for job_id in (first, second):
+        after = job(engine, job_id)
+        assert (after.status, after.leased_by, after.lease_epoch) == ("queued", None, 1)
+        assert "complete" not in events(engine, job_id)
