@@ -371,8 +371,9 @@ def _matchmaking_submit(ctx: Context, n: int, ledger: Ledger) -> None:
 
 
 def _matchmaking_rows(conn: sa.Connection, ctx: Context) -> dict[str, str]:
-    """A user's day is done when its job completed; dead when it failed. A partition whose load failed for
-    good (its letter is `{date}:{tz}`) counts its users dead with it; a user with no job yet is missing."""
+    """A user's day is done when its job completed; dead when it failed. A partition whose run failed for
+    good (its letter is `{date}:{tz}`) counts its unfinished users dead with it (replaying the letter runs the
+    partition again, which takes up its pending and running jobs); a user with no job yet is missing."""
     from assets.matchmaking.repository import matchmaking_jobs
 
     known = ctx.ledgers["matchmaking"].known
@@ -384,8 +385,8 @@ def _matchmaking_rows(conn: sa.Connection, ctx: Context) -> dict[str, str]:
         if ref in known:
             rows[ref] = states.get(r.status, r.status)
     letters = {ref.replace("|", ":") for ref in letter_refs(conn, "matchmaking")}  # a run's letter: `date|tz`
-    for ref in known - set(rows):
-        if ref.rsplit(":", 1)[0] in letters:  # the partition's own letter: its load failed for good
+    for ref in known:
+        if rows.get(ref) != v.DONE and ref.rsplit(":", 1)[0] in letters:  # the partition's own letter
             rows[ref] = v.DEAD
     return rows
 

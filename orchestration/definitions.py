@@ -57,7 +57,8 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
         sensors=[
             alert_delivery_sensor(),
             run_failure_alert_sensor(asset_pipelines_of(a for a in assets if isinstance(a, dg.AssetsDefinition))),
-            declined_retry_sensor(asset_pipelines_of(a for a in assets if isinstance(a, dg.AssetsDefinition))),
+            declined_retry_sensor(asset_pipelines_of(a for a in assets if isinstance(a, dg.AssetsDefinition)),
+                                  jobs=[j for p in pipelines for j in p.jobs]),
             dead_letter_replay_sensor(replay_targets),
             dead_letter_reconciliation_sensor(failed_for_good),
             *[deferred_retry_sensor(name, target) for name, target in replay_targets.items()],

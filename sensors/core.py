@@ -14,6 +14,7 @@ import json
 from datetime import UTC, datetime
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import dagster as dg
 from dagster._core.events import JobFailureData, RunFailureReason
@@ -163,22 +164,43 @@ def declined_retry(tags: Mapping[str, str], engine_messages: Iterable[str]) -> b
             and any(m.startswith(NOT_RETRYING) for m in engine_messages))
 
 
-def declined_retry_sensor(asset_pipelines: Mapping[dg.AssetKey, str] | None = None, *, minimum_interval_seconds: int = 30,
-                          limit: int = 100) -> dg.SensorDefinition:
-    """The run-failure sensor is silent for a run tagged `dagster/will_retry=true`; when Dagster then declines the
-    retry (a run of a backfill that has ended: "Not retrying run since it is part of a backfill…"), nobody would
-    ever hear of it. This sensor finds such runs and records them as the failure sensor would, once."""
+RETRY_OF_TAG = "redrive/retry_of"  # a run the declined-retry sensor started again: the run it retries
+# Tags of the declined run a retry does not carry: Dagster's own bookkeeping of that run and of its backfill
+# (a retry outside the ended backfill is what lets Dagster's run retries cover it again if it fails too).
+_NOT_CARRIED = ("dagster/", ".dagster/", DEAD_LETTERED_TAG)
+
+
+def retry_request(run: dg.DagsterRun) -> dg.RunRequest:
+    """The declined run, once more: same job, partition, config and assets; keyed on the run, so one retry."""
+    tags = {k: v for k, v in run.tags.items() if not k.startswith(_NOT_CARRIED)}
+    return dg.RunRequest(run_key=f"retry-of:{run.run_id}", job_name=run.job_name, run_config=run.run_config,
+                         partition_key=run.tags.get("dagster/partition"),
+                         asset_selection=list(run.asset_selection) if run.asset_selection else None,
+                         tags={**tags, RETRY_OF_TAG: run.run_id})
+
+
+def declined_retry_sensor(asset_pipelines: Mapping[dg.AssetKey, str] | None = None, *,
+                          jobs: Sequence[Any] = (),  # JobDefinition or define_asset_job's unresolved job
+                          minimum_interval_seconds: int = 30, limit: int = 100) -> dg.SensorDefinition:
+    """The run-failure sensor is silent for a run tagged `dagster/will_retry=true`; Dagster then declines the
+    retry of a run whose backfill has ended ("Not retrying run since it is part of a backfill…"), and a job
+    backfill ends as soon as its runs are submitted: a partition run of a backfill killed with its worker was
+    never run again (the chaos run: 250 users of a dead-lettered partition). This sensor starts such a run once
+    more itself, outside the backfill, so Dagster's own run retries cover the new run; a declined run of a job
+    it cannot start is recorded as the failure sensor would, once."""
+    targets = {j.name for j in jobs}
 
     @dg.sensor(name="redrive_declined_run_retries", minimum_interval_seconds=minimum_interval_seconds,
-               default_status=dg.DefaultSensorStatus.RUNNING,
-               description="Dead-letters and alerts failed runs Dagster said it would retry and then did not.")
-    def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource) -> dg.SkipReason:
+               default_status=dg.DefaultSensorStatus.RUNNING, jobs=list(jobs) or None,
+               description="Starts once more a failed run whose automatic retry Dagster declined (a run of an "
+                           "ended backfill); dead-letters and alerts one it cannot start.")
+    def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource) -> dg.SensorResult:
         from datetime import UTC, datetime, timedelta
 
         runs = context.instance.get_runs(filters=dg.RunsFilter(
             statuses=[dg.DagsterRunStatus.FAILURE], tags={WILL_RETRY_TAG: "true"},
             updated_after=datetime.now(UTC) - timedelta(days=1)), limit=limit)
-        recorded, runtime = 0, None
+        recorded, retries, runtime = 0, [], None
         for run in runs:
             if AUTO_RETRY_RUN_ID_TAG in run.tags or run.tags.get(DEAD_LETTERED_TAG) == "true":
                 continue  # retried (the retry is judged on its own), or recorded by an earlier tick
@@ -188,12 +210,17 @@ def declined_retry_sensor(asset_pipelines: Mapping[dg.AssetKey, str] | None = No
             engine = [e.message or "" for e in events if e.event_type == dg.DagsterEventType.ENGINE_EVENT]
             if not declined_retry(run.tags, engine):
                 continue  # the retry daemon has not decided yet: look again next tick
+            if run.job_name in targets:
+                if not context.instance.get_run_ids(dg.RunsFilter(tags={RETRY_OF_TAG: run.run_id}), limit=1):
+                    retries.append(retry_request(run))
+                continue
             runtime = runtime or reliability.runtime()
             record_run_failure(runtime, run, [e for e in events if e.event_type == dg.DagsterEventType.STEP_FAILURE],
                                "Dagster declined its automatic retry", asset_pipelines or {})
             context.instance.add_run_tags(run.run_id, {DEAD_LETTERED_TAG: "true"})  # once, whatever follows
             recorded += 1
-        return dg.SkipReason(f"{recorded} failed runs whose retry Dagster declined recorded")
+        return dg.SensorResult(run_requests=retries, skip_reason=None if retries else dg.SkipReason(
+            f"{recorded} failed runs whose retry Dagster declined recorded"))
 
     return _sensor
 

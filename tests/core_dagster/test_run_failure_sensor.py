@@ -96,31 +96,73 @@ def test_declined_retry_is_pure() -> None:
     assert not declined_retry({"dagster/will_retry": "false"}, said)
 
 
-def test_a_run_dagster_said_it_would_retry_and_then_did_not_is_dead_lettered_once(defs, sandbox, engine) -> None:
-    """Found by the chaos run: a matchmaking partition run of an ended backfill timed out starting; Dagster tagged
-    it will_retry=true, then declined ("part of a backfill that is in a terminal state"). The run-failure sensor
-    trusts the tag and stays silent, so the partition was neither done nor dead-lettered. The declined-retry sensor
-    dead-letters it on its partition and alerts, once; a run still waiting for the retry daemon is left alone."""
+def _declined_and_waiting(instance: dg.DagsterInstance, job: dg.JobDefinition) -> tuple[dg.DagsterRun, dg.DagsterRun]:
+    """Two failed matchmaking partition runs tagged will_retry=true: Dagster declined the first one's retry
+    (its backfill had ended), and has not decided on the second yet."""
+    def failed_run(partition: str) -> dg.DagsterRun:
+        run = instance.create_run_for_job(job_def=job, tags={**job.tags, "dagster/partition": partition,
+                                                             "dagster/backfill": "bkf1"})
+        instance.report_run_failed(run)
+        assert instance.get_run_by_id(run.run_id).tags.get("dagster/will_retry") == "true"
+        return run
+
+    declined, waiting = failed_run("2026-03-08|America/New_York"), failed_run("2026-03-09|America/New_York")
+    instance.report_engine_event(
+        "Not retrying run since it is part of a backfill that is in a terminal state (COMPLETED).", declined)
+    return declined, waiting
+
+
+def test_a_run_whose_retry_dagster_declined_is_started_once_more(defs, sandbox, engine) -> None:
+    """Found by the chaos run (twice): a job backfill ends as soon as its runs are submitted, and Dagster declines
+    to retry a run of an ended backfill, so a matchmaking partition run killed with its worker (or timed out
+    starting) was never run again and its 250 users stayed `running` under a dead letter. The sensor now asks
+    for the same job, partition and config once more, outside the backfill (so Dagster's run retries cover the
+    new run); no letter, no alert; a second tick asks nothing more; a run still waiting for the retry daemon is
+    left alone."""
     import sqlalchemy as sa
 
     from redrive.schema import dead_letters
+    from sensors.core import RETRY_OF_TAG
 
     sensor = defs.get_sensor_def("redrive_declined_run_retries")
     job = defs.resolve_job_def("matchmaking_job")
     with dg.instance_for_test(overrides={"run_retries": {"enabled": True, "max_retries": 1}}) as instance:
-        def failed_run(partition: str) -> dg.DagsterRun:
-            run = instance.create_run_for_job(job_def=job, tags={**job.tags, "dagster/partition": partition})
-            instance.report_run_failed(run)
-            assert instance.get_run_by_id(run.run_id).tags.get("dagster/will_retry") == "true"
-            return run
+        declined, waiting = _declined_and_waiting(instance, job)
+        repository = defs.get_repository_def()
+        with dg.build_sensor_context(instance=instance, resources=defs.resources,
+                                     repository_def=repository) as context:
+            [request] = sensor.evaluate_tick(context).run_requests
+        assert (request.job_name, request.partition_key) == ("matchmaking_job", "2026-03-08|America/New_York")
+        assert request.tags[RETRY_OF_TAG] == declined.run_id and "dagster/backfill" not in request.tags
+        assert request.tags["redrive/pipeline"] == "matchmaking" and request.run_key == f"retry-of:{declined.run_id}"
 
-        declined, waiting = failed_run("2026-03-08|America/New_York"), failed_run("2026-03-09|America/New_York")
-        instance.report_engine_event(
-            "Not retrying run since it is part of a backfill that is in a terminal state (COMPLETED).", declined)
+        instance.create_run_for_job(job_def=job, run_config=request.run_config,
+                                    tags={**request.tags, "dagster/partition": request.partition_key})
+        with dg.build_sensor_context(instance=instance, resources=defs.resources,
+                                     repository_def=repository) as context:
+            assert sensor.evaluate_tick(context).run_requests == []  # its retry exists: nothing more
 
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(dead_letters)).scalar_one() == 0
+    assert sandbox.effects("slack.message") == []
+
+
+def test_a_declined_run_of_a_job_the_sensor_cannot_start_is_dead_lettered_once(defs, sandbox, engine) -> None:
+    """The run-failure sensor trusts will_retry=true and stays silent; a declined run the sensor cannot start
+    again is dead-lettered on its partition and alerted, once (so the partition is never silently neither done
+    nor dead-lettered)."""
+    import sqlalchemy as sa
+
+    from redrive.schema import dead_letters
+    from sensors.core import declined_retry_sensor
+
+    sensor = declined_retry_sensor(jobs=())
+    job = defs.resolve_job_def("matchmaking_job")
+    with dg.instance_for_test(overrides={"run_retries": {"enabled": True, "max_retries": 1}}) as instance:
+        declined, waiting = _declined_and_waiting(instance, job)
         for _ in range(2):  # a second tick records nothing twice
             with dg.build_sensor_context(instance=instance, resources=defs.resources) as context:
-                sensor.evaluate_tick(context)
+                assert sensor.evaluate_tick(context).run_requests == []
 
     with engine.connect() as conn:
         letters = conn.execute(sa.select(dead_letters.c.pipeline, dead_letters.c.entity_ref, dead_letters.c.run_id)).all()
