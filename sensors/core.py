@@ -158,10 +158,18 @@ def run_failure_alert_sensor(asset_pipelines: Mapping[dg.AssetKey, str] | None =
 NOT_RETRYING = "Not retrying run"  # the start of Dagster's engine event when it declines a run tagged will_retry
 
 
-def declined_retry(tags: Mapping[str, str], engine_messages: Iterable[str]) -> bool:
-    """Pure: Dagster tagged the run `will_retry=true`, launched no retry, and said it will not."""
+# How long after a run failed, tagged will_retry, Dagster's retry daemon may take to retry it before the run counts
+# as never retried. The daemon retries within seconds; the chaos run saw one retry never made (the daemon SIGKILLed
+# and PostgreSQL backends cut around the failure), the run left failed with will_retry=true for good.
+RETRY_GRACE_SECONDS = 300.0
+
+
+def declined_retry(tags: Mapping[str, str], engine_messages: Iterable[str], failed_seconds_ago: float = 0.0,
+                   grace: float = RETRY_GRACE_SECONDS) -> bool:
+    """Pure: Dagster tagged the run `will_retry=true` and launched no retry, and either said it will not or has
+    not for ``grace`` seconds since the run failed."""
     return (tags.get(WILL_RETRY_TAG) == "true" and AUTO_RETRY_RUN_ID_TAG not in tags
-            and any(m.startswith(NOT_RETRYING) for m in engine_messages))
+            and (any(m.startswith(NOT_RETRYING) for m in engine_messages) or failed_seconds_ago >= grace))
 
 
 RETRY_OF_TAG = "redrive/retry_of"  # a run the declined-retry sensor started again: the run it retries
@@ -181,11 +189,13 @@ def retry_request(run: dg.DagsterRun) -> dg.RunRequest:
 
 def declined_retry_sensor(asset_pipelines: Mapping[dg.AssetKey, str] | None = None, *,
                           jobs: Sequence[Any] = (),  # JobDefinition or define_asset_job's unresolved job
-                          minimum_interval_seconds: int = 30, limit: int = 100) -> dg.SensorDefinition:
+                          minimum_interval_seconds: int = 30, limit: int = 100,
+                          retry_grace: float = RETRY_GRACE_SECONDS) -> dg.SensorDefinition:
     """The run-failure sensor is silent for a run tagged `dagster/will_retry=true`; Dagster then declines the
     retry of a run whose backfill has ended ("Not retrying run since it is part of a backfill…"), and a job
     backfill ends as soon as its runs are submitted: a partition run of a backfill killed with its worker was
-    never run again (the chaos run: 250 users of a dead-lettered partition). This sensor starts such a run once
+    never run again (the chaos run: 250 users of a dead-lettered partition). A run Dagster said it would retry
+    and still has not ``retry_grace`` seconds later is treated the same. This sensor starts such a run once
     more itself, outside the backfill, so Dagster's own run retries cover the new run; a declined run of a job
     it cannot start is recorded as the failure sensor would, once."""
     targets = {j.name for j in jobs}
@@ -197,18 +207,22 @@ def declined_retry_sensor(asset_pipelines: Mapping[dg.AssetKey, str] | None = No
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource) -> dg.SensorResult:
         from datetime import UTC, datetime, timedelta
 
-        runs = context.instance.get_runs(filters=dg.RunsFilter(
+        now = datetime.now(UTC)
+        records = context.instance.get_run_records(filters=dg.RunsFilter(
             statuses=[dg.DagsterRunStatus.FAILURE], tags={WILL_RETRY_TAG: "true"},
-            updated_after=datetime.now(UTC) - timedelta(days=1)), limit=limit)
+            updated_after=now - timedelta(days=1)), limit=limit)
         recorded, retries, runtime = 0, [], None
-        for run in runs:
+        for record in records:
+            run = record.dagster_run
+            updated = record.update_timestamp  # Dagster's storage gives it naive, in UTC
+            ended = record.end_time or (updated if updated.tzinfo else updated.replace(tzinfo=UTC)).timestamp()
             if AUTO_RETRY_RUN_ID_TAG in run.tags or run.tags.get(DEAD_LETTERED_TAG) == "true":
                 continue  # retried (the retry is judged on its own), or recorded by an earlier tick
             logs = context.instance.all_logs(run.run_id, of_type={dg.DagsterEventType.ENGINE_EVENT,
                                                                    dg.DagsterEventType.STEP_FAILURE})
             events = [e.dagster_event for e in logs if e.dagster_event is not None]
             engine = [e.message or "" for e in events if e.event_type == dg.DagsterEventType.ENGINE_EVENT]
-            if not declined_retry(run.tags, engine):
+            if not declined_retry(run.tags, engine, failed_seconds_ago=now.timestamp() - ended, grace=retry_grace):
                 continue  # the retry daemon has not decided yet: look again next tick
             if run.job_name in targets:
                 if not context.instance.get_run_ids(dg.RunsFilter(tags={RETRY_OF_TAG: run.run_id}), limit=1):

@@ -94,6 +94,11 @@ def test_declined_retry_is_pure() -> None:
     assert not declined_retry({"dagster/will_retry": "true"}, ["Run timed out"])  # the daemon has not decided
     assert not declined_retry({"dagster/will_retry": "true", "dagster/auto_retry_run_id": "r2"}, said)
     assert not declined_retry({"dagster/will_retry": "false"}, said)
+    # no word from the retry daemon: waiting for it within the grace, never retried after it
+    assert not declined_retry({"dagster/will_retry": "true"}, [], failed_seconds_ago=299, grace=300)
+    assert declined_retry({"dagster/will_retry": "true"}, [], failed_seconds_ago=300, grace=300)
+    assert not declined_retry({"dagster/will_retry": "true", "dagster/auto_retry_run_id": "r2"}, [],
+                              failed_seconds_ago=3600, grace=300)
 
 
 def _declined_and_waiting(instance: dg.DagsterInstance, job: dg.JobDefinition) -> tuple[dg.DagsterRun, dg.DagsterRun]:
@@ -144,6 +149,29 @@ def test_a_run_whose_retry_dagster_declined_is_started_once_more(defs, sandbox, 
 
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(dead_letters)).scalar_one() == 0
+    assert sandbox.effects("slack.message") == []
+
+
+def test_a_run_dagster_never_retried_is_started_once_more_after_the_grace(defs, sandbox) -> None:
+    """The chaos run (seed 16): an evidence ingest run SIGKILLed with its worker, tagged will_retry=true, was never
+    retried and Dagster never said why (its retry daemon SIGKILLed, backends cut); its 50 rows were never
+    ingested. Past the grace the sensor starts it once more; within the grace it waits for the daemon."""
+    from sensors.core import RETRY_OF_TAG, declined_retry_sensor
+
+    job = defs.resolve_job_def("matchmaking_job")
+    with dg.instance_for_test(overrides={"run_retries": {"enabled": True, "max_retries": 1}}) as instance:
+        run = instance.create_run_for_job(job_def=job, tags={**job.tags, "dagster/partition": "2026-03-08|America/New_York"})
+        instance.report_run_failed(run)
+
+        def requests(grace: float) -> list[dg.RunRequest]:
+            sensor = declined_retry_sensor(jobs=[job], retry_grace=grace)
+            with dg.build_sensor_context(instance=instance, resources=defs.resources,
+                                         repository_def=defs.get_repository_def()) as context:
+                return sensor.evaluate_tick(context).run_requests
+
+        assert requests(grace=3600) == []  # the retry daemon may still retry it
+        [request] = requests(grace=0)
+        assert request.tags[RETRY_OF_TAG] == run.run_id and request.partition_key == "2026-03-08|America/New_York"
     assert sandbox.effects("slack.message") == []
 
 
