@@ -218,6 +218,11 @@ def declined_retry_sensor(asset_pipelines: Mapping[dg.AssetKey, str] | None = No
             ended = record.end_time or (updated if updated.tzinfo else updated.replace(tzinfo=UTC)).timestamp()
             if AUTO_RETRY_RUN_ID_TAG in run.tags or run.tags.get(DEAD_LETTERED_TAG) == "true":
                 continue  # retried (the retry is judged on its own), or recorded by an earlier tick
+            if run.job_name in targets:
+                ours = context.instance.get_run_ids(dg.RunsFilter(tags={RETRY_OF_TAG: run.run_id}), limit=1)
+                if ours:  # our retry exists: say so where Dagster looks (its UI, its retry daemon), look no more
+                    context.instance.add_run_tags(run.run_id, {AUTO_RETRY_RUN_ID_TAG: ours[0]})
+                    continue
             logs = context.instance.all_logs(run.run_id, of_type={dg.DagsterEventType.ENGINE_EVENT,
                                                                    dg.DagsterEventType.STEP_FAILURE})
             events = [e.dagster_event for e in logs if e.dagster_event is not None]
@@ -225,8 +230,7 @@ def declined_retry_sensor(asset_pipelines: Mapping[dg.AssetKey, str] | None = No
             if not declined_retry(run.tags, engine, failed_seconds_ago=now.timestamp() - ended, grace=retry_grace):
                 continue  # the retry daemon has not decided yet: look again next tick
             if run.job_name in targets:
-                if not context.instance.get_run_ids(dg.RunsFilter(tags={RETRY_OF_TAG: run.run_id}), limit=1):
-                    retries.append(retry_request(run))
+                retries.append(retry_request(run))  # its run key makes it one run, however many ticks ask
                 continue
             runtime = runtime or reliability.runtime()
             record_run_failure(runtime, run, [e for e in events if e.event_type == dg.DagsterEventType.STEP_FAILURE],

@@ -141,11 +141,13 @@ def test_a_run_whose_retry_dagster_declined_is_started_once_more(defs, sandbox, 
         assert request.tags[RETRY_OF_TAG] == declined.run_id and "dagster/backfill" not in request.tags
         assert request.tags["redrive/pipeline"] == "matchmaking" and request.run_key == f"retry-of:{declined.run_id}"
 
-        instance.create_run_for_job(job_def=job, run_config=request.run_config,
-                                    tags={**request.tags, "dagster/partition": request.partition_key})
+        retry = instance.create_run_for_job(job_def=job, run_config=request.run_config,
+                                            tags={**request.tags, "dagster/partition": request.partition_key})
         with dg.build_sensor_context(instance=instance, resources=defs.resources,
                                      repository_def=repository) as context:
             assert sensor.evaluate_tick(context).run_requests == []  # its retry exists: nothing more
+        # linked where Dagster looks (its UI and its retry daemon, which then never retries it a second time)
+        assert instance.get_run_by_id(declined.run_id).tags["dagster/auto_retry_run_id"] == retry.run_id
 
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(dead_letters)).scalar_one() == 0
