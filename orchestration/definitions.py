@@ -33,6 +33,7 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     """Build everything from settings read now, never at import time of a module."""
     settings = settings or Settings()
     logs.configure(replace=False, only_if_set=True)
+    logs.one_line_per_run_record()
     # Beta and preview features we chose on purpose (sensor owners, partitioned checks, dagster.yaml's python_logs
     # handler): not repeated by every process that loads the location (the code server, each run worker) into
     # its log, every time Dagster touches them. Whatever else warns still does.

@@ -131,14 +131,47 @@ def formatter(fmt: str) -> logging.Formatter:
 
 def run_log_handler() -> logging.Handler:
     """For dagster.yaml's `python_logs.dagster_handler_config`: every run's log lines (`context.log`, Dagster's
-    events) in JSON on stderr when REDRIVE_LOG_FORMAT=json; nothing otherwise (Dagster's console logger writes
-    its own text lines either way). Runs see it whatever their run config says about loggers."""
+    events) in JSON on stderr when REDRIVE_LOG_FORMAT=json; nothing otherwise (then Dagster's console logger writes
+    its text lines; in JSON mode :func:`one_line_per_run_record` leaves that logger out). Runs see it whatever their
+    run config says about loggers."""
     if log_format() != "json":
         return logging.NullHandler()
     handler = _Stderr()
     handler.setLevel(logging.INFO)
     handler.setFormatter(formatter("json"))
     return handler
+
+
+RUN_HANDLER = f"{__name__}.run_log_handler"
+
+
+def _run_lines_are_json(instance: Any) -> bool:
+    """True where this process writes JSON and the instance's dagster.yaml hands run records to run_log_handler."""
+    if instance is None or log_format() != "json":
+        return False
+    handlers = (instance.get_python_log_dagster_handler_config() or {}).get("handlers") or {}
+    return any(isinstance(h, Mapping) and h.get("()") == RUN_HANDLER for h in handlers.values())
+
+
+def one_line_per_run_record() -> None:
+    """Idempotent; the code location calls it, so every run worker has it. A run whose run config names no
+    `loggers` gets Dagster's coloured console logger (`default_system_loggers`), which prints every record as
+    text beside run_log_handler's JSON line: two lines per record. Dagster offers no setting for it short of a
+    `loggers:` entry in every run's config (sensors, backfills, the launchpad, retries), so where run_log_handler
+    writes JSON the default console logger is left out; text mode, or an instance without our handler, keeps it.
+    """
+    from dagster._core.execution import context_creation_job, host_mode
+
+    for module in (context_creation_job, host_mode):
+        dagster_default = module.default_system_loggers
+        if getattr(dagster_default, "redrive_one_line", False):
+            continue
+
+        def default_system_loggers(instance: Any, _dagster_default: Any = dagster_default) -> Any:
+            return [] if _run_lines_are_json(instance) else _dagster_default(instance)
+
+        default_system_loggers.redrive_one_line = True  # type: ignore[attr-defined]
+        module.default_system_loggers = default_system_loggers  # type: ignore[attr-defined]
 
 
 # Third-party loggers whose INFO lines repeat on every call (botocore: "Found credentials in environment

@@ -163,3 +163,29 @@ def test_the_dashboard_queries_only_series_the_endpoint_serves() -> None:
     assert dashboard_series() - conversion_own <= set(metrics.SERIES)
     dashboard = json.loads(DASHBOARD.read_text())
     assert all(p["targets"] and p["datasource"]["type"] == "prometheus" for p in dashboard["panels"])
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_a_run_writes_each_record_once_in_the_format_asked_for(fmt, deployed_instance, capsys, monkeypatch) -> None:
+    """A run with no `loggers` in its run config (a sensor's, a backfill's, the launchpad's) under dagster.yaml's
+    handler: JSON asked for, each record is one JSON line and no coloured text line beside it; text asked for,
+    Dagster's console logger writes it and our handler stays silent."""
+    monkeypatch.setenv(logs.FORMAT_ENV, fmt)
+    logs.one_line_per_run_record()
+    marker = f"one-line-{fmt}-marker"
+
+    @dg.op
+    def speaks(context) -> None:  # noqa: ANN001 (Dagster reads the annotation; this module has string annotations)
+        context.log.info(marker)
+
+    @dg.job
+    def one_line() -> None:
+        speaks()
+
+    assert one_line.execute_in_process(instance=deployed_instance).success
+    said = [line for line in capsys.readouterr().err.splitlines() if marker in line]
+    assert len(said) == 1, said
+    if fmt == "json":
+        assert json.loads(said[0])["message"].endswith(marker)
+    else:
+        assert not said[0].startswith("{")

@@ -66,13 +66,15 @@ def section(prefix: str) -> list[Step]:
     return found[0]
 
 
-def run_steps(steps: list[Step], env: dict[str, str]) -> list[str]:
-    """Run each line in bash as the page writes it; check its expectations; return the outputs."""
-    full = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", **env}
+def run_steps(steps: list[Step], env: dict[str, str], cwd: Path = PROJECT_ROOT,
+              inherit: bool = True) -> list[str]:
+    """Run each line in bash as the page writes it (in `cwd`, with this process's environment under `env` unless
+    `inherit` is false); check its expectations; return the outputs."""
+    full = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", **env} if inherit else dict(env)
     outputs = []
     for step in steps:
         done = subprocess.run(["bash", "-c", step.command], env=full, capture_output=True, text=True, timeout=300,
-                              cwd=PROJECT_ROOT)
+                              cwd=cwd)
         printed = done.stdout + done.stderr
         assert done.returncode == 0, f"{step.command}\nexit {done.returncode}\n{printed[-2000:]}"
         assert "Traceback" not in done.stderr, (step.command, done.stderr[-2000:])  # (`dlq show` prints the stack)

@@ -137,6 +137,11 @@ def test_topology_serves_work_and_leaves_no_process(db_url: str, dagster_pg_url:
             return status if status in {"SUCCESS", "FAILURE", "CANCELED"} else None
 
         assert eventually(run_finished, "the healthcheck run", timeout=300) == "SUCCESS"
+        # each of the run's records is one JSON line in the services' logs (the run worker's included), with no
+        # coloured text line of Dagster's console logger beside it
+        lines = [line for p in topology.processes.values()
+                 for line in p.log.read_text(errors="replace").splitlines() if run_id in line]
+        assert lines and [line for line in lines if not line.startswith("{")] == [], lines[:6]
 
         # the same through devstack.dagster_api, as `make demo` drives the deployment: a sensor stopped and
         # started like the UI's toggle, the daemon's next tick of it, and a failed run's failure as one line
