@@ -567,12 +567,16 @@ def fail(conn: sa.Connection, lease: Lease, code: str, message: str, now: dateti
     return ok
 
 
-def requeue(conn: sa.Connection, lease: Lease, now: datetime, reason: str) -> bool:
-    """003 §3.5 clean requeue on shutdown: ``queued``, lease cleared, and the unfinished attempt given back."""
-    ok = _fenced_update(conn, lease, status="queued", leased_by=None, lease_expires_at=None, retry_after=None,
+def requeue(conn: sa.Connection, lease: Lease, now: datetime, reason: str,
+            retry_after: datetime | None = None) -> bool:
+    """003 §3.5 clean requeue on shutdown: ``queued``, lease cleared, and the unfinished attempt given back;
+    with ``retry_after``, not claimed before then (a retry the gateway's retry budget held back)."""
+    ok = _fenced_update(conn, lease, status="queued", leased_by=None, lease_expires_at=None, retry_after=retry_after,
                         attempt_count=sa.func.greatest(conversion_jobs.c.attempt_count - 1, 0), updated_at=now)
     if ok:
-        _event(conn, lease.job_id, "queued", lease.attempt - 1, now, {"reason": reason, "worker": lease.worker})
+        meta = {"reason": reason, "worker": lease.worker}
+        _event(conn, lease.job_id, "queued", lease.attempt - 1, now,
+               meta if retry_after is None else {**meta, "retry_after": retry_after.isoformat()})
     return ok
 
 

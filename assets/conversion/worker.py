@@ -55,7 +55,7 @@ from assets.conversion import policy
 from assets.conversion import repository as repo
 from assets.conversion.files import FileStore, ResultsNotDurable, Staged
 from assets.conversion.settings import BREAKER, PIPELINE, ConversionSettings, file_store
-from redrive import logs
+from redrive import logs, upstreams
 from redrive.alerts import Alert
 from redrive.backoff import FullJitter
 from redrive.breaker import CircuitBreaker, Transition, counts_as_failure, prune_due, prune_if_due, record_call
@@ -285,6 +285,7 @@ class Attempt:
     failure: Failure | None
     call_ms: float | None
     duration_ms: float
+    deferred: float | None = None  # the gateway's retry budget held this retry back: seconds to wait, nothing sent
 
 
 class Slots:
@@ -366,6 +367,7 @@ class WorkerReport:
     requeued: int = 0
     reclaimed: int = 0
     fenced: int = 0
+    deferred: int = 0
     probes: int = 0
     swept: int = 0
     db_errors: int = 0
@@ -389,7 +391,7 @@ class Health:
         return dict(self.__dict__)
 
 
-Outcome = Literal["succeeded", "retry", "failed", "requeued", "fenced"]
+Outcome = Literal["succeeded", "retry", "failed", "requeued", "fenced", "deferred"]
 Sleep = Callable[[float], object]
 
 
@@ -829,7 +831,11 @@ class Worker:
                 return Attempt(lease, None, 0, SOURCE_MISSING, None, _ms(start))
             call_start = time.perf_counter()
             try:
-                xml = self.gateway.convert(pdf)
+                # a job whose last attempt failed retries: its gateway call draws on the gateway's retry budget
+                with upstreams.retrying(lease.attempt > 1):
+                    xml = self.gateway.convert(pdf)
+            except upstreams.RetryDeferred as held:
+                return Attempt(lease, None, 0, None, None, _ms(start), deferred=held.wait)
             finally:
                 call_ms = round((time.perf_counter() - call_start) * 1000, 2)
             policy.check_xml(xml)
@@ -864,10 +870,11 @@ class Worker:
         self.keeper.release([a.lease.job_id for a in finished])
         successes = []
         for attempt in finished:
-            if attempt.failure is None:
+            if attempt.failure is None and attempt.deferred is None:
                 successes.append(attempt)
             else:
-                outcomes[attempt.lease.job_id] = self._failed(attempt)
+                outcomes[attempt.lease.job_id] = self._failed(attempt) if attempt.deferred is None else \
+                    self._deferred(attempt)
                 self.in_flight.pop((attempt.lease.job_id, attempt.lease.epoch), None)
                 self._lost.discard((attempt.lease.job_id, attempt.lease.epoch))
                 if attempt in self._unwritten:  # written: a retried turn must not write it again
@@ -974,6 +981,23 @@ class Worker:
                  gateway_status=failure.upstream_status, error_code=failure.code, reason=verdict.decision.reason,
                  level=logging.ERROR)
         return "failed"
+
+    def _deferred(self, attempt: Attempt) -> Outcome:
+        """The gateway's retry budget held this retry back before it was sent (issue 26 §4): ``queued`` again
+        about a budget window later (spread by jitter), its attempt given back, so a flapping gateway never
+        spends jobs' attempts; the breaker's window is untouched (no call was made)."""
+        lease, now = attempt.lease, self.clock.now()
+        spread = self.reliability.rng_for(f"{PIPELINE}:{lease.job_id}:deferred:{now.isoformat()}")
+        due_at = now + timedelta(seconds=(attempt.deferred or 0.0) * spread.uniform(0.5, 1.5))
+        with self._begin() as conn:
+            ok = repo.requeue(conn, lease, now, reason="retry budget of the PDF gateway", retry_after=due_at)
+        if not ok:
+            self._fenced(lease, "defer")
+            return "fenced"
+        self.report.deferred += 1
+        self.log("job_retry_deferred", job_id=lease.job_id, status="queued", attempt=lease.attempt - 1,
+                 retry_in_ms=round((due_at - now).total_seconds() * 1000, 1), level=logging.WARNING)
+        return "deferred"
 
     @staticmethod
     def _final_failure(verdict: Verdict, owner: str | None) -> FinalFailure:

@@ -251,3 +251,46 @@ def test_shutdown_grace_is_a_deadline_on_the_clock_and_sigalrm_stays_the_process
     assert not twice.expired
     twice.request()
     assert twice.expired and twice.remaining() == 0.0
+
+
+def test_over_the_gateways_retry_budget_a_retry_is_deferred_unsent_and_spends_no_attempt(
+        engine, sandbox, submit, make_worker, clock, reliability) -> None:
+    """Issue 26 §4 for the conversion worker: a job whose first attempt met a 503 comes due; the PDF gateway's
+    retry budget is spent, so the retry is not sent: the job is `queued` again about a window later with its
+    attempt given back, and the breaker's window is untouched. With room in the budget it converts."""
+    from redrive import upstreams as up
+    from redrive.breaker import window
+
+    job_id = submit()
+    sandbox.script("pdf.convert", {"status": 503}, {"kind": "ok"})
+    worker = make_worker()
+    assert worker.step() == "processed"
+    first = job(engine, job_id)
+    assert (first.status, first.attempt_count) == ("queued", 1)
+    clock.advance((first.retry_after - clock.now()).total_seconds())
+
+    no_room = up.Upstreams(engine, {"pdf_gateway": up.UpstreamLimits(retry_share=0.0, retry_floor_per_second=0.0,
+                                                                    retry_window_seconds=10)},
+                           clock=clock, sleep=clock.sleep, on_exhausted=reliability.retry_budget_exhausted)
+    with engine.connect() as conn:
+        calls = window(conn, "pdf-gateway", 0, 100)
+    up.install(no_room)
+    try:
+        assert worker.step() == "processed"
+    finally:
+        up.install(None)
+    held = job(engine, job_id)
+    assert (held.status, held.attempt_count, held.leased_by) == ("queued", 1, None)  # the attempt given back
+    assert 5 <= (held.retry_after - clock.now()).total_seconds() <= 15
+    assert len(sandbox.requests("pdf.convert")) == 1  # nothing sent
+    assert worker.report.deferred == 1
+    with engine.connect() as conn:
+        assert window(conn, "pdf-gateway", 0, 100) == calls == [False]  # the 503 only
+    assert worker.step() == "idle"  # not due before its new time
+
+    clock.advance((held.retry_after - clock.now()).total_seconds())
+    assert worker.step() == "processed"
+    done = job(engine, job_id)
+    assert (done.status, done.attempt_count) == ("succeeded", 2)
+    assert events(engine, job_id) == ["queued", "processing", "retry", "processing", "queued", "processing",
+                                      "complete"]

@@ -106,3 +106,4 @@ def test_a_newcomer_serves_rehearses_and_follows_every_runbook_as_written(served
     fixed = subprocess.run(["bash", "-c", fix], cwd=clone, env=page, capture_output=True, text=True, timeout=60)
     assert fixed.returncode == 0, fixed.stderr
     run_steps(section("1. Rerun a failed partition"), {**page, **profile}, cwd=clone, inherit=False)
+    follow("2. Backfill a range")
