@@ -16,6 +16,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,9 +40,13 @@ def newcomer_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, str]]]:
-    """`make serve` in a fresh clone, until its .data/serve.env is written; Ctrl-C (SIGINT) stops it after."""
-    clone = tmp_path_factory.mktemp("newcomer") / "redrive"
+def served() -> Iterator[tuple[Path, dict[str, str]]]:
+    """`make serve` in a fresh clone, until its .data/serve.env is written; Ctrl-C (SIGINT) stops it after.
+    The clone is in a folder others may enter (as a home directory is): as root, the embedded PostgreSQL runs
+    as a user of its own, which pytest's private temporary folders would lock out."""
+    folder = Path(tempfile.mkdtemp(prefix="redrive-newcomer-"))
+    folder.chmod(0o755)
+    clone = folder / "redrive"
     subprocess.run(["git", "clone", "-q", str(PROJECT_ROOT), str(clone)], check=True, timeout=300)
     log = clone.parent / "make-serve.log"
     env = newcomer_env()
@@ -65,6 +70,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dic
                 os.killpg(serve.pid, signal.SIGKILL)
                 serve.wait(30)
     printed = log.read_text(errors="replace")
+    shutil.rmtree(folder, ignore_errors=True)
     assert "serve: stopped everything it started." in printed, printed[-4000:]
 
 
