@@ -46,9 +46,9 @@ docs: install
 lint: install
 	@$(VENV)/bin/ruff check --quiet .
 
-## Debian's chromium for the browser test (003's Retry button); a no-op when it is installed.
+## Debian's chromium for the browser tests (003's Retry button, the dead-letter console); a no-op when it is installed.
 browser:
-	@bash scripts/install-browser.sh || echo "make: could not install chromium; the browser test will fail on CI and skip elsewhere"
+	@bash scripts/install-browser.sh || echo "make: could not install chromium; the browser tests will fail on CI and skip elsewhere"
 
 ## make test-ci: the suite once more against the machine's PostgreSQL service (DATABASE_URL). The chaos harness
 ## test and the newcomer's check start a PostgreSQL of their own whatever DATABASE_URL says, so the first pass has

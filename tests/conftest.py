@@ -24,6 +24,7 @@ from redrive import logs
 from redrive.db import engine_for, upgrade_head
 from redrive.settings import Settings
 
+pytest_plugins = ("tests.browser",)  # `driver` (headless Chromium) and `serve_app` (an app on a real port)
 _counter = itertools.count()
 logs.install()  # as the code location does: no test log may carry a secret either
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
-import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,33 +45,6 @@ def conv_settings(tmp_path: Path, stack) -> ConversionSettings:
         worker_lease_ttl_sec=2, worker_lease_extend_sec=0.5, worker_idle_sleep_sec=0.05,
         circuit_cooldown_ms=1000,
     )
-
-
-@pytest.fixture
-def serve_app() -> Iterator[Callable[..., str]]:
-    """Serve an app on a real port with uvicorn, as `python -m assets.conversion.api serve` does. uvicorn's own
-    logging config is not installed, so its records (tracebacks included) reach the root logger and caplog."""
-    import uvicorn
-
-    started: list[tuple[uvicorn.Server, threading.Thread, socket.socket]] = []
-
-    def serve(app: object) -> str:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="info", log_config=None))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 15
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        started.append((server, thread, sock))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-    yield serve
-    for server, thread, sock in started:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 @pytest.fixture

@@ -1,16 +1,12 @@
 """The page in a real headless Chromium (Debian's `chromium` + `chromium-driver`, driven by Selenium).
 
-On CI (CI=true) a missing browser FAILS these tests; `scripts/install-browser.sh` installs it.
+On CI (CI=true) a missing browser FAILS these tests; `scripts/install-browser.sh` installs it. The `driver` and
+`serve_app` fixtures and `wait_until` are tests/browser.py's, shared with the dead-letter console's browser test.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import time
-from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -18,62 +14,18 @@ import sqlalchemy as sa
 from assets.conversion import repository as repo
 from assets.conversion.api import BANNER, create_app
 from redrive.breaker import CircuitBreaker
+from tests.browser import wait_until
 from tests.conversion.conftest import job, make_pdf
 
 pytestmark = pytest.mark.browser
 
 SCREENSHOT_NAME = "conversion-page.png"  # docs/images/ has the one the conversion page's docs show
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
-         "--window-size=1200,900")
-
-
-def _browser_missing() -> str | None:
-    for path in (CHROMIUM, CHROMEDRIVER):
-        if not (Path(path).exists() or shutil.which(Path(path).name)):
-            return f"{path} is not installed (run scripts/install-browser.sh)"
-    return None
-
-
-@pytest.fixture(scope="module")
-def driver() -> Iterator[object]:
-    missing = _browser_missing()
-    if missing:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"browser test cannot run on CI: {missing}")
-        pytest.skip(missing)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium") or CHROMIUM
-    for flag in FLAGS:
-        options.add_argument(flag)
-    browser = webdriver.Chrome(service=Service(shutil.which("chromedriver") or CHROMEDRIVER), options=options)
-    browser.set_page_load_timeout(30)
-    yield browser
-    browser.quit()
 
 
 @pytest.fixture
 def served(engine, conv_settings, clock, serve_app) -> str:
     """The API and page on a real port, on the test's frozen clock."""
     return serve_app(create_app(engine, conv_settings, clock))
-
-
-def wait_until(predicate, timeout: float = 15.0, what: str = "the page"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except Exception:  # noqa: BLE001 - the DOM is being re-rendered; look again
-            value = None
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def set_job(engine, job_id: str, **values) -> None:
