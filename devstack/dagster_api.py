@@ -31,6 +31,11 @@ _STOP = """mutation($id: String!) { stopSensor(id: $id) { __typename
 _FAILURES = """query($id: ID!) { logsForRun(runId: $id) { __typename ... on EventConnection { events {
     __typename ... on ExecutionStepFailureEvent { stepKey error { className message } }
     ... on RunFailureEvent { message } } } } }"""
+_RUNS = """query($f: RunsFilter) { runsOrError(filter: $f) { __typename ... on Runs { results { runId status } }
+    ... on PythonError { message } } }"""
+_ENGINE_EVENTS = """query($id: ID!) { logsForRun(runId: $id) { __typename ... on EventConnection { events {
+    __typename ... on EngineEvent { message } } } } }"""
+ACTIVE = ("QUEUED", "NOT_STARTED", "STARTING", "STARTED")  # a run not yet ended (sensors.matching.ACTIVE)
 
 
 class DeploymentError(RuntimeError):
@@ -99,6 +104,23 @@ class DagsterApi:
                 first = error["message"].strip().splitlines()[0]
                 lines.append(re.sub(rf"^[\w.]*\.({re.escape(error.get('className') or '')}): ", r"\1: ", first))
         return lines
+
+    def active_runs(self, job: str) -> list[str]:
+        """Ids of the job's runs that have not ended (queued, starting or started)."""
+        found = self.graphql(_RUNS, f={"pipelineName": job, "statuses": list(ACTIVE)})["runsOrError"]
+        if found["__typename"] != "Runs":
+            raise DeploymentError(f"runs of {job}: {found.get('message', found['__typename'])}")
+        return [r["runId"] for r in found["results"]]
+
+    def step_process(self, run_id: str) -> int | None:
+        """The pid of the process executing the run's steps (its "Executing steps in process (pid: N)" event, the
+        run worker under the in-process executor); None before the run got there."""
+        found = self.graphql(_ENGINE_EVENTS, id=run_id)["logsForRun"]
+        for event in found.get("events", []):
+            matched = re.search(r"Executing steps in process \(pid: (\d+)\)", event.get("message") or "")
+            if matched:
+                return int(matched.group(1))
+        return None
 
     # ------------------------------------------------------------------------------------------ sensors
 

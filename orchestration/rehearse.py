@@ -4,7 +4,8 @@ A recipe seeds what its runbook section needs through the pipelines' own front d
 conversion HTTP API, the matchmaking tables a producer fills) and arms its fault in the sandbox's scripting
 (`/_admin/faults`), matched to the recipe's own entities so the rest of the stack keeps working. The deployed
 topology then does the work — the daemon's sensors, drain runs, the conversion worker — and meets the fault as
-it would in production. The command waits until the failure has happened and prints the shell variables the
+it would in production; a fault that is no upstream's answer (a run worker dying mid-delivery) is dealt the way
+production meets it (SIGKILL, as the OOM killer would). The command waits until the failure has happened and prints the shell variables the
 section uses (`export LETTER=…`), so the runbook can be followed as written:
 
     redrive rehearse list
@@ -21,8 +22,12 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from devstack.dagster_api import DagsterApi
+    from resources.matching import MatchingQueue
 
 
 class RehearsalError(RuntimeError):
@@ -106,8 +111,6 @@ def bad_profile(r: Rehearsal, users: int = 40) -> dict[str, str]:
     from assets.matchmaking.pipeline import JOB, key_of
     from assets.matchmaking.policy import Partition
     from assets.matchmaking.settings import MatchmakingSettings
-    from devstack.dagster_api import DagsterApi
-    from devstack.topology import LOCATION
 
     tz = MatchmakingSettings().timezones[0]
     partition = Partition.parse(datetime.now(UTC).date().isoformat(), tz)
@@ -117,13 +120,20 @@ def bad_profile(r: Rehearsal, users: int = 40) -> dict[str, str]:
         conn.execute(sa.text("UPDATE matchmaking_users SET age_min = 40, age_max = 30 WHERE id = :u"),
                      {"u": rows[0]["id"]})
     key = key_of(partition)
-    if not r.env.get("DAGSTER_UI_URL"):
-        raise RehearsalError("no DAGSTER_UI_URL: the partition's run is launched through the webserver")
-    DagsterApi(r.env["DAGSTER_UI_URL"], LOCATION).launch(JOB, partition_key=str(key),
-                                                         tags={"redrive/rehearsal": r.tag})
+    _dagster(r, "the partition's run").launch(JOB, partition_key=str(key), tags={"redrive/rehearsal": r.tag})
     ref = f"{partition.entity_ref}:{rows[0]['id']}"
     letter = r.wait(f"matchmaking user {ref} dead-lettered", lambda: r.letter("matchmaking", ref))
     return {"PARTITION": str(key), "LETTER": str(letter)}
+
+
+def _dagster(r: Rehearsal, what: str) -> DagsterApi:
+    """The deployment's webserver, which launches `what` as the UI's Launchpad would."""
+    from devstack.dagster_api import DagsterApi
+    from devstack.topology import LOCATION
+
+    if not r.env.get("DAGSTER_UI_URL"):
+        raise RehearsalError(f"no DAGSTER_UI_URL: {what} is launched through the webserver")
+    return DagsterApi(r.env["DAGSTER_UI_URL"], LOCATION)
 
 
 def _conversion_job(r: Rehearsal, token: str, text: str) -> str:
@@ -174,6 +184,113 @@ def gateway_outage(r: Rehearsal, jobs: int = 12) -> dict[str, str]:
     return {"TOKEN": token, "CONVERSION_API": r.env["CONVERSION_API"]}
 
 
+def _aws(r: Rehearsal, service: str) -> Any:
+    """A client of the stack's S3 or SQS (moto under `make serve`), with the stack's credentials."""
+    import boto3
+
+    return boto3.client(service, endpoint_url=r.env.get("AWS_ENDPOINT_URL") or None,
+                        region_name=r.env.get("AWS_REGION") or r.env.get("AWS_DEFAULT_REGION") or None,
+                        aws_access_key_id=r.env.get("AWS_ACCESS_KEY_ID") or None,
+                        aws_secret_access_key=r.env.get("AWS_SECRET_ACCESS_KEY") or None)
+
+
+def _matching_queue(r: Rehearsal) -> MatchingQueue:
+    """The queue the code location drains (its MATCHING_* names), at the stack's SQS: ingestion's front door."""
+    from assets.matching.pipeline import matching_resource
+    from assets.matching.settings import MatchingSettings
+    from redrive.settings import Settings
+    from resources.matching import MatchingQueue
+
+    found = matching_resource(Settings(aws_endpoint_url=r.env.get("AWS_ENDPOINT_URL") or None), MatchingSettings())
+    return MatchingQueue(_aws(r, "sqs"), found.sqs(), found.queue_name, found.dlq_name,
+                         found.visibility_timeout_seconds, found.max_receive_count)
+
+
+def _matching_document(r: Rehearsal, kind: str, doc_type: str, references: list[str], text: str) -> dict[str, Any]:
+    """One of the rehearsal's documents: its own tenant, so its only candidates are the rehearsal's others."""
+    return {"id": f"rehearse-{r.tag}-{kind}", "tenant": f"rehearse-{r.tag}", "doc_type": doc_type,
+            "counterparty": "ACME GmbH", "references": references, "amount": "1200.00", "currency": "EUR",
+            "document_date": "2026-02-20", "text": text}
+
+
+def _matching_status(r: Rehearsal, document_id: str) -> tuple[str | None, int]:
+    """(matching_status, matching_attempts) of a document, as `redrive matching show` reads them."""
+    from assets.matching import repository
+
+    doc = r.read(repository.get, document_id) or {}
+    return doc.get("matching_status"), int(doc.get("matching_attempts") or 0)
+
+
+STUCK_DRAIN = {"visibility_scale": 0.001, "wait_seconds": 20}  # 5/30 min steps as 0.3/1.8 s; it waits for them
+
+
+def stuck_document(r: Rehearsal, stuck_after: int = 60) -> dict[str, str]:
+    """A matching invoice whose worker is SIGKILLed (as the OOM killer would) in the middle of its third and last
+    delivery, so SQS moves its message to the DLQ and the document stays `in-progress`: the stuck case 000 leaves
+    to the operator. Its purchase order is ingested first (the invoice's candidate: without one no LLM is asked);
+    the LLM answers the invoice 503 through two deliveries (each waits out its visibility step, shrunk by the
+    rehearsal's own drain run) and hangs on the third, which is when the run worker is killed. The threshold the
+    operator's `redrive matching stuck` uses is printed (`MATCHING_STUCK_AFTER_SECONDS`): a minute, the queue's
+    visibility timeout, instead of the deployed ten."""
+    from assets.matching import ingestion
+    from assets.matching.pipeline import matching_drain_job
+
+    api, queue, job = _dagster(r, "the rehearsal's drain run"), _matching_queue(r), matching_drain_job.name
+    r.wait("no matching drain run active (the rehearsal's own drain takes its documents)",
+           lambda: not api.active_runs(job))
+    run = api.launch(job, run_config={"ops": {"drain_matching_queue": {"config": STUCK_DRAIN}}},
+                     tags={"redrive/rehearsal": r.tag})  # active: the queue sensor leaves the queue to it
+    order = _matching_document(r, "po", "purchase_order", [f"PO-{r.tag}"], "40 steel beams")
+    ingestion.ingest(r.engine, queue, [order])
+    r.wait(f"purchase order {order['id']} matched", lambda: _matching_status(r, order["id"])[0] == "succeeded")
+    marker = f"[rehearsal {r.tag} stuck]"  # in the invoice's text only, so in its prompts only
+    r.sandbox.script("llm", *[{"status": 503}] * 6, {"kind": "delay", "seconds": 120}, match=marker)
+    invoice = _matching_document(r, "inv", "invoice", [f"INV-{r.tag}", f"PO-{r.tag}"],
+                                 f"invoice for 40 steel beams {marker}")
+    ingestion.ingest(r.engine, queue, [invoice])
+    r.wait(f"the third delivery of {invoice['id']} waiting on the LLM",
+           lambda: _matching_status(r, invoice["id"]) == ("in-progress", 3)
+           and marker not in r.sandbox.faults()["llm"]["matched"])
+    _kill_run_worker(r, api, run)
+    if _matching_status(r, invoice["id"]) != ("in-progress", 3):
+        raise RehearsalError(f"{invoice['id']}'s third delivery ended before its worker was killed")
+    r.wait("the matching queue settled (the killed run ended, its message moved to the DLQ)",
+           lambda: _matching_settled(api, queue, job))
+    r.wait(f"{invoice['id']} in-progress for {stuck_after} s", lambda: _stuck(r, invoice["id"], stuck_after))
+    return {"DOCUMENT": invoice["id"], "MATCHING_STUCK_AFTER_SECONDS": str(stuck_after)}
+
+
+def _kill_run_worker(r: Rehearsal, api: DagsterApi, run_id: str) -> None:
+    """SIGKILL the process executing the run's steps, as the kernel's OOM killer would: no handler runs, the
+    in-flight delivery records nothing. `make serve` runs its run workers on this machine."""
+    import signal
+
+    import psutil
+
+    pid = r.wait(f"run {run_id} executing its steps", lambda: api.step_process(run_id))
+    try:
+        psutil.Process(pid).send_signal(signal.SIGKILL)
+    except psutil.NoSuchProcess:
+        raise RehearsalError(f"run {run_id}'s worker (pid {pid}) is not running on this machine: the rehearsal "
+                             "kills it where `make serve` runs") from None
+
+
+def _matching_settled(api: DagsterApi, queue: MatchingQueue, job: str) -> bool:
+    """No drain run active and nothing in the queue: the killed delivery's message came back after its visibility
+    timeout, and the receive that found it a third-time message moved it to the DLQ (the redrive policy)."""
+    depth = queue.depth()
+    return not api.active_runs(job) and depth.visible == 0 and depth.in_flight == 0
+
+
+def _stuck(r: Rehearsal, document_id: str, seconds: float) -> bool:
+    """What `redrive matching stuck` lists with that threshold."""
+    from assets.matching import repository
+    from redrive.clock import SystemClock
+
+    cutoff = SystemClock().now() - timedelta(seconds=seconds)
+    return any(d.id == document_id for d in r.read(repository.stuck_in_progress, cutoff))
+
+
 def undeliverable_recipient(r: Rehearsal) -> dict[str, str]:
     """A review job one of whose two reviewers the mail provider refuses for good (an undeliverable domain)."""
     from assets.review_notifications import api, repository
@@ -201,8 +318,6 @@ def evidence_zip(r: Rehearsal) -> dict[str, str]:
     import zipfile
     from uuid import UUID
 
-    import boto3
-
     from assets.evidence import policy
     from assets.evidence import repository as repo
     from assets.evidence.settings import EvidenceSettings
@@ -223,10 +338,7 @@ def evidence_zip(r: Rehearsal) -> dict[str, str]:
         r.sandbox.script("case.attach", *[{"status": 503}] * 20, match=case)
     evidence = EvidenceSettings()
     bucket = evidence.bucket or Settings().redrive_bucket
-    s3 = boto3.client("s3", endpoint_url=r.env.get("AWS_ENDPOINT_URL") or None,
-                      region_name=r.env.get("AWS_REGION") or r.env.get("AWS_DEFAULT_REGION") or None,
-                      aws_access_key_id=r.env.get("AWS_ACCESS_KEY_ID") or None,
-                      aws_secret_access_key=r.env.get("AWS_SECRET_ACCESS_KEY") or None)
+    s3 = _aws(r, "s3")
     ensure_bucket(s3, bucket)
     key = f"{evidence.inbox_prefix}rehearse-{r.tag}.zip"
     s3.put_object(Bucket=bucket, Key=key, Body=buf.getvalue(), Metadata={"notify-to": f"merchant-{r.tag}@example.com"})
@@ -250,6 +362,8 @@ RECIPES: tuple[Recipe, ...] = (
            "the PDF gateway refuses one job (422)", gateway_reject),
     Recipe("gateway-outage", ("6. Read the breaker",), "the PDF gateway answers 503 until the breaker opens",
            gateway_outage),
+    Recipe("stuck-document", ("7. Triage a stuck document", "Matching (seed 000)"),
+           "a matching run worker SIGKILLed mid-delivery on a document's last delivery", stuck_document),
     Recipe("undeliverable-recipient", ("8. Waive a recipient", "Review notifications (002 §6)"),
            "the mail provider refuses one reviewer for good", undeliverable_recipient),
     Recipe("evidence-zip", ("9. Force N2", "Evidence attach (004)"),

@@ -55,7 +55,7 @@ def test_no_stack_is_one_line_and_exit_2(tmp_path: Path) -> None:
 def test_each_runbook_runs_as_written_on_a_rehearsed_topology(db_url: str, dagster_pg_url: str,  # noqa: F811
                                                                project_tmp: Path, sandbox, engine) -> None:
     """The deployed topology (as `make serve`), every recipe armed through `redrive rehearse`'s code on it, then
-    sections 1, 3, 4, 5, 6 and 8 of docs/operating.md run line by line with the variables the recipes printed."""
+    sections 1, 3, 4, 5, 6, 7, 8 and 9 of docs/operating.md run line by line with the variables the recipes printed."""
     from orchestration.demos import conversion
 
     # waits at their real length, as on `make serve` (the breaker's cooldown too); no recipe waits for a retry
@@ -75,3 +75,7 @@ def test_each_runbook_runs_as_written_on_a_rehearsed_topology(db_url: str, dagst
         with engine.begin() as conn:  # the operator's fix of the profile the letter names
             conn.execute(sa.text("UPDATE matchmaking_users SET age_min = 18, age_max = 99 WHERE age_min > age_max"))
         run_steps(section("1. Rerun a failed partition"), {**page, **got["bad-profile"]})
+        run_steps(section("9. Force N2"), {**page, **rehearse.arm(["evidence-zip"], stack, timeout=240)})
+        # last: its run worker is SIGKILLed, and the operator's threshold (60 s) is printed with $DOCUMENT
+        run_steps(section("7. Triage a stuck document"), {**page, **rehearse.arm(["stuck-document"], stack,
+                                                                                  timeout=240)})
