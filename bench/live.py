@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                     if minute % 10 == 0:
                         print(f"  minute {elapsed:5.1f}: rss MB "
                               + ", ".join(f"{k} {v:.0f}" for k, v in series.samples[-1].rss_mb.items())
-                              + f"; connections {series.samples[-1].connections}", flush=True)
+                              + f"; connections {series.samples[-1].connections}; finished/open "
+                              + ", ".join(f"{k} {d}/{o}" for k, (d, o) in settled(engine).items()), flush=True)
                     minute += 1
                     time.sleep(max(0.0, started + minute * 60 - time.monotonic()))  # the next minute's traffic
                 deadline = time.monotonic() + args.settle * 60

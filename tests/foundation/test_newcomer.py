@@ -1,6 +1,6 @@
 """Issue 27: the newcomer's check. A fresh clone, `make serve` as the README says (it installs its own virtualenv
-and starts everything on embedded defaults), `redrive rehearse` in a second shell, then each runbook section of
-docs/operating.md run line by line as written, with the variables the recipes printed.
+and starts everything on embedded defaults), `redrive rehearse` in a second shell, then every runbook section of
+docs/operating.md (1 to 9) run line by line as written, with the variables the recipes printed.
 
 The clone is of the repository's HEAD (on CI, the commit under test; locally, uncommitted changes are not in it).
 Nothing of this checkout reaches it: not the virtualenv, `.data`, `DATABASE_URL` nor any variable of the test
@@ -113,3 +113,5 @@ def test_a_newcomer_serves_rehearses_and_follows_every_runbook_as_written(served
     assert fixed.returncode == 0, fixed.stderr
     run_steps(section("1. Rerun a failed partition"), {**page, **profile}, cwd=clone, inherit=False)
     follow("2. Backfill a range")
+    follow("9. Force N2", "evidence-zip")
+    follow("7. Triage a stuck document", "stuck-document")  # last: it SIGKILLs a drain run's worker
