@@ -2,7 +2,7 @@
 
     python -m bench upstreams                          # both parts
     BENCH_UPSTREAMS_ENTITIES=2000 python -m bench upstreams
-    python -m bench upstreams --part limiter           # or --part drain
+    python -m bench upstreams --part limiter           # or --part drain, --part outage
 
 Part 1, the limiter's hot path (`redrive.upstreams`), per call, medians of rotated rounds in one thread:
 a call with no limits (no round trip), one bare `SELECT 1` transaction (the floor of any database round
@@ -16,6 +16,9 @@ processes sharing the queue (SKIP LOCKED) and the limits (`REDRIVE_UPSTREAM_LLM`
 against what the provider allows (the smaller of concurrency ÷ mean latency and the rate), the sandbox's
 peak concurrency and peak requests in any 1 s window, and how many requests it refused (must be 0).
 Not yet through `make serve`'s topology (daemon, run queue): the drains are plain processes here.
+
+Part 3, an outage (`outage_part`): the LLM answers 503 to everything for 60 s at full load; the retries sent
+stay within the retry budget, throughput comes back within 30 s, nothing is lost or called twice, one alert.
 """
 
 from __future__ import annotations
@@ -135,7 +138,10 @@ def limiter_part() -> dict[str, tuple[float, float]]:
 # -------------------------------------------------------------------------------------------- drain
 
 
-def _drain_process(db_url: str, sandbox_url: str, owner: str, concurrency: int, out: Any) -> None:
+def _drain_process(db_url: str, sandbox_url: str, owner: str, concurrency: int, out: Any,
+                   limits: UpstreamLimits = LIMITS, linger: float = 1.0) -> None:
+    """One drain process: each entity one LLM call (its ref in the prompt, so the sandbox's effect log tells
+    a second call of the same entity apart) and one checkpoint; the retry budget's alert is the core's."""
     from redrive.backoff import FixedSchedule
     from redrive.drain import Attempt, Drain
     from redrive.reliability import Reliability
@@ -144,20 +150,20 @@ def _drain_process(db_url: str, sandbox_url: str, owner: str, concurrency: int, 
 
     engine = engine_for(db_url)
     runtime = Reliability(engine=engine)
-    up.install(up.Upstreams(engine, {"llm": LIMITS}, clock=SystemClock()))
-    body = {"model": "m", "messages": [{"role": "user", "content": "critique this"}]}
+    up.install(up.Upstreams(engine, {"llm": limits}, clock=SystemClock(), on_exhausted=runtime.retry_budget_exhausted))
     url = f"{sandbox_url}/llm/v1/chat/completions"
 
-    def post() -> Any:
+    def post(entity: str) -> Any:
+        body = {"model": "m", "messages": [{"role": "user", "content": f"critique {entity}"}]}
         answer = shared_client().post(url, json=body, headers={"Authorization": "Bearer k"}, timeout=30)
         answer.raise_for_status()
         return answer.json()["id"]
 
     def handle(attempt: Attempt) -> None:
-        attempt.stage("llm", lambda: {"id": up.guarded("llm", post)})
+        attempt.stage("llm", lambda: {"id": up.guarded("llm", lambda: post(attempt.entity_ref))})
 
     drain = Drain(reliability=runtime, pipeline="bench_upstreams", owner=owner, concurrency=concurrency,
-                  batch_size=concurrency, linger_seconds=1.0, max_seconds=900,
+                  batch_size=concurrency, linger_seconds=linger, max_seconds=900,
                   policies={"llm": StagePolicy(max_attempts=5, backoff=FixedSchedule((1.0, 2.0, 4.0)))})
     report = drain.run(handle)
     out.put(report.as_metadata())
@@ -225,9 +231,98 @@ def drain_part(processes: tuple[int, ...] = tuple(int(n) for n in os.environ.get
     return rows
 
 
+OUTAGE_ENTITIES = int(os.environ.get("BENCH_UPSTREAMS_OUTAGE_ENTITIES", "7000"))
+OUTAGE_AFTER, OUTAGE_SECONDS = 20.0, 60.0
+BUDGET = UpstreamLimits(max_concurrent=LLM_CONCURRENT, rate_per_second=LLM_RATE * RATE_SHARE, lease_seconds=60,
+                        retry_share=0.1, retry_floor_per_second=1.0, retry_window_seconds=10)
+
+
+def recovery_seconds(ok_per_second: dict[int, int], before: tuple[int, int], recovered: int,
+                     share: float = 0.9, window: int = 5) -> tuple[float, float | None]:
+    """Pure: the median of successful calls a second over `before` (first, last second), and how many seconds
+    after `recovered` a `window`-second mean first reaches `share` of it (None: never)."""
+    baseline = statistics.median(ok_per_second.get(t, 0) for t in range(*before))
+    last = max(ok_per_second, default=recovered)
+    for t in range(recovered, last - window + 2):
+        if statistics.fmean(ok_per_second.get(t + i, 0) for i in range(window)) >= share * baseline:
+            return baseline, float(t - recovered)
+    return baseline, None
+
+
+def outage_part(processes: int = 2) -> dict[str, Any]:
+    """The LLM route answers 503 to everything for 60 s at full load (the sandbox's random faults at rate 1),
+    20 s into a drain of OUTAGE_ENTITIES by `processes` drain processes under the retry budget (10 % of calls
+    plus 1/s over 10 s). Retries sent, from the limiter's own per-second ledger (`upstream_calls`), must stay
+    within the budget; successful calls a second, from the sandbox's effect log, must be back to 0.9 of the
+    pre-outage median within 30 s of recovery; every entity done or dead-lettered, none called twice after
+    success, one `retry_budget_exhausted` alert."""
+    from datetime import datetime
+
+    sandbox = SandboxClient(os.environ["SANDBOX_URL"], timeout=60)
+    sandbox.reset()
+    sandbox.set_profile("llm", p50=LLM_P50, p99=LLM_P99, max_concurrent=LLM_CONCURRENT, rate_per_second=LLM_RATE,
+                        seed=26)
+    print(f"\noutage: {OUTAGE_ENTITIES} entities, {processes} drain processes, the LLM as above; 503 to every "
+          f"request from {OUTAGE_AFTER:.0f} s for {OUTAGE_SECONDS:.0f} s; retry budget 10 % of calls + 1/s over 10 s")
+    ctx = mp.get_context("spawn")
+    with scratch_database("bench_upstreams_outage") as url:
+        engine = engine_for(url)
+        with engine.begin() as conn:
+            work.enqueue_many(conn, "bench_upstreams", [(f"e-{i}", None) for i in range(OUTAGE_ENTITIES)],
+                              now=SystemClock().now())
+        out = ctx.Queue()
+        per_process = math.ceil(LLM_CONCURRENT * 1.25 / processes)
+        procs = [ctx.Process(target=_drain_process, args=(url, sandbox.base_url, f"outage-{i}", per_process, out,
+                                                          BUDGET, 30.0)) for i in range(processes)]
+        for p in procs:
+            p.start()
+        time.sleep(OUTAGE_AFTER)  # the drains reach full load
+        down = datetime.now().astimezone()
+        sandbox.random_faults("llm", seed=26, rates={"503": 1.0})
+        time.sleep(OUTAGE_SECONDS)  # the outage lasts this long, in real time, as a provider's would
+        sandbox.stop_random_faults("llm")
+        up_again = datetime.now().astimezone()
+        reports = [out.get(timeout=1800) for _ in procs]
+        for p in procs:
+            p.join(30)
+        with engine.connect() as conn:
+            states = dict(conn.execute(sa.text("SELECT status, count(*) FROM work_items GROUP BY 1")).all())
+            ledger = conn.execute(sa.text("SELECT second, calls, retries FROM upstream_calls WHERE upstream = 'llm' "
+                                          "ORDER BY second")).all()
+            alerts = conn.execute(sa.text("SELECT count(*) FROM alerts WHERE kind = 'retry_budget_exhausted'"))\
+                .scalar_one()
+    calls = sandbox.effects("llm.call")
+    prompts = [e["messages_sha256"] for e in calls]
+    twice = len(prompts) - len(set(prompts))
+    start = datetime.fromisoformat(sorted(e["at"] for e in calls)[0])
+    ok_per_second: dict[int, int] = {}
+    for e in calls:
+        t = int((datetime.fromisoformat(e["at"]) - start).total_seconds())
+        ok_per_second[t] = ok_per_second.get(t, 0) + 1
+    went_down, came_back = int((down - start).total_seconds()), int((up_again - start).total_seconds())
+    baseline, back_after = recovery_seconds(ok_per_second, (5, went_down), came_back)
+    outage = [r for r in ledger if down.timestamp() <= r.second < up_again.timestamp()]
+    sent, retried = sum(r.calls for r in outage), sum(r.retries for r in outage)
+    allowed = 0.1 * sent + 1.0 * len(outage)
+    done, dead = states.get("done", 0), states.get("dead", 0)
+    deferred = sum(r["deferred"] for r in reports)
+    row = {"sent_during_outage": sent, "retries_during_outage": retried, "retry_allowance": allowed,
+           "baseline_ok_per_s": baseline, "back_to_90pct_after_s": back_after, "done": done, "dead": dead,
+           "called_twice": twice, "alerts": alerts, "deferred": deferred}
+    print(f"  during the outage: {sent} requests sent, of them {retried} retries (the budget allowed "
+          f"{allowed:.0f}: 10 % of calls + 1/s); {deferred} retries deferred in all, spending no attempt")
+    print(f"  before: {baseline:.1f} successful calls/s (median); back to 90 % of it "
+          f"{'never' if back_after is None else f'{back_after:.0f} s'} after recovery (target ≤ 30 s)")
+    print(f"  {done} done, {dead} dead-lettered of {OUTAGE_ENTITIES}; entities called twice after success: {twice}; "
+          f"retry_budget_exhausted alerts: {alerts}")
+    row["ok"] = (retried <= allowed and back_after is not None and back_after <= 30 and done + dead == OUTAGE_ENTITIES
+                 and twice == 0 and alerts == 1)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench upstreams")
-    parser.add_argument("--part", choices=["limiter", "drain", "all"], default="all")
+    parser.add_argument("--part", choices=["limiter", "drain", "outage", "all"], default="all")
     args = parser.parse_args(argv or [])
     print(f"machine: {psutil.cpu_count()} cores")
     if args.part in ("limiter", "all"):
@@ -238,4 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             print(f"FAILED: refused requests or entities not done: {bad}")
             return 1
+    if args.part in ("outage", "all") and not outage_part()["ok"]:
+        print("FAILED: the outage's retries, recovery, outcome or alert (see above)")
+        return 1
     return 0

@@ -102,6 +102,8 @@ upstream_calls = sa.Table(
     sa.Column("second", sa.BigInteger, primary_key=True),
     sa.Column("calls", sa.Integer, nullable=False, server_default="0"),
     sa.Column("retries", sa.Integer, nullable=False, server_default="0"),
+    # retries the upstream answered well: they show it recovered, so they give their budget back (migration 0012)
+    sa.Column("retries_ok", sa.Integer, nullable=False, server_default="0"),
 )
 
 upstream_waiters = sa.Table(
@@ -171,9 +173,10 @@ BEGIN
         RETURN QUERY SELECT NULL::integer, extract(epoch FROM lim.paused_until - v_now)::float8, 'paused'::text, false;
         RETURN;
     END IF;
-    -- the retry budget: retries <= share * calls + floor * window over the sliding window
+    -- the retry budget: failing retries <= share * calls + floor * window over the sliding window (a retry the
+    -- upstream answered well gives its share back: after an outage the backlog flows at the limits, not the floor)
     IF p_retry AND lim.retry_share IS NOT NULL THEN
-        SELECT coalesce(sum(c.calls), 0), coalesce(sum(c.retries), 0) INTO n_calls, n_retries
+        SELECT coalesce(sum(c.calls), 0), coalesce(sum(c.retries - c.retries_ok), 0) INTO n_calls, n_retries
           FROM upstream_calls c WHERE c.upstream = p_name AND c.second > sec - lim.retry_window_seconds;
         IF n_retries + 1 > lim.retry_share * n_calls + lim.retry_floor_per_second * lim.retry_window_seconds THEN
             SELECT l.budget_last_denied_at IS NULL
@@ -219,7 +222,7 @@ BEGIN
          WHERE us.upstream = p_name AND us.slot = s;
     END IF;
     IF lim.retry_share IS NOT NULL THEN
-        INSERT INTO upstream_calls AS c VALUES (p_name, sec, 1, CASE WHEN p_retry THEN 1 ELSE 0 END)
+        INSERT INTO upstream_calls AS c VALUES (p_name, sec, 1, CASE WHEN p_retry THEN 1 ELSE 0 END, 0)
             ON CONFLICT (upstream, second) DO UPDATE
             SET calls = c.calls + 1, retries = c.retries + CASE WHEN p_retry THEN 1 ELSE 0 END;
         IF sec % 60 = 0 THEN
@@ -253,6 +256,18 @@ def configure(conn: sa.Connection, name: str, limits: UpstreamLimits, now: datet
         conn.execute(sa.delete(upstream_slots).where(upstream_slots.c.upstream == name,
                                                      upstream_slots.c.slot > limits.max_concurrent,
                                                      upstream_slots.c.holder.is_(None)))
+
+
+# the newest second of the window with a retry not yet answered well: the granted retry's own, or one as recent
+_RETRY_ANSWERED = sa.text(
+    "UPDATE upstream_calls c SET retries_ok = c.retries_ok + 1 WHERE c.upstream = :name AND c.second = "
+    "(SELECT max(x.second) FROM upstream_calls x WHERE x.upstream = :name AND x.retries > x.retries_ok "
+    "AND x.second <= floor(extract(epoch FROM coalesce(CAST(:now AS timestamptz), clock_timestamp()))))")
+
+
+def retry_answered(conn: sa.Connection, name: str, now: datetime | None) -> None:
+    """A granted retry got a good answer: its budget share comes back."""
+    conn.execute(_RETRY_ANSWERED, {"name": name, "now": now})
 
 
 def release(conn: sa.Connection, name: str, slot: int, holder: str) -> bool:
@@ -309,6 +324,7 @@ class Grant:
     upstream: str
     slot: int
     holder: str
+    retry: bool = False  # the call drew on the retry budget
 
 
 @dataclass
@@ -373,6 +389,8 @@ class Upstreams:
                     raise
             else:
                 asked = _throttled(result)
+                if asked is None and grant.retry and _answered_well(result):
+                    self._retry_answered(grant)
                 if asked is None or not self._wait_out(name, limits, asked, throttled):
                     return result
             finally:
@@ -393,7 +411,7 @@ class Upstreams:
                 if row.slot is not None:
                     if retry:
                         _RETRYING.set(False)  # the entity's next calls are not retries
-                    return Grant(name, row.slot, holder)
+                    return Grant(name, row.slot, holder, retry=retry and limits.retry_share is not None)
                 if row.reason == "retry_budget":
                     if row.new_episode and self.on_exhausted is not None:
                         try:
@@ -422,6 +440,12 @@ class Upstreams:
             log.warning("upstream %s: slot %s not released; it comes back when its lease ends",
                         grant.upstream, grant.slot)
 
+    def _retry_answered(self, grant: Grant) -> None:
+        try:
+            _once_more_if_dropped(lambda conn: retry_answered(conn, grant.upstream, self._now()), self._autocommit)
+        except Exception:  # noqa: BLE001 - the share comes back anyway when the window slides past it
+            log.warning("upstream %s: a good answer to a retry was not recorded", grant.upstream)
+
     def _wait_out(self, name: str, limits: UpstreamLimits, asked: float | None, throttled: int) -> bool:
         """Pause `name` for every worker as the provider asked; True when this caller sends again after it."""
         wait = min(asked if asked is not None and asked >= 0 else 1.0, limits.max_pause_seconds)
@@ -443,6 +467,12 @@ def _throttled(outcome: object) -> float | None:
     if isinstance(outcome, RedriveError) and outcome.failure.upstream_status == 429:
         return outcome.failure.retry_after if outcome.failure.retry_after is not None else -1.0
     return None
+
+
+def _answered_well(result: object) -> bool:
+    """A call that returned: good unless it returned an HTTP error response (resources that check the status
+    after the guarded call return those)."""
+    return not (isinstance(result, httpx.Response) and result.status_code >= 400)
 
 
 @functools.lru_cache(maxsize=8)

@@ -164,11 +164,16 @@ def test_over_the_budget_a_retry_is_deferred_not_sent_and_alerts_once(engine: sa
                                                       retry_window_seconds=10)},
                        clock=clock, sleep=refuse, on_exhausted=alerts.append)
     sent: list[str] = []
+
+    def failing(what: str) -> None:
+        sent.append(what)
+        raise httpx.ConnectError("the upstream is down")
+
     for i in range(20):
         worker.call("llm", lambda i=i: sent.append(f"first-{i}"))
     for i in range(4):
-        with retrying():
-            worker.call("llm", lambda i=i: sent.append(f"retry-{i}"))
+        with retrying(), pytest.raises(httpx.ConnectError):
+            worker.call("llm", lambda i=i: failing(f"retry-{i}"))
     for _ in range(5):
         with retrying(), pytest.raises(RetryDeferred) as deferred:
             worker.call("llm", lambda: sent.append("not sent"))
@@ -189,11 +194,35 @@ def test_only_the_first_call_of_a_retrying_entity_is_a_retry(engine: sa.Engine) 
     clock = FrozenClock(START)
     worker = Upstreams(engine, {"llm": UpstreamLimits(retry_share=0.0, retry_floor_per_second=0.1,
                                                       retry_window_seconds=10)}, clock=clock, sleep=refuse)
+    def down() -> None:
+        raise httpx.ConnectError("the upstream is down")
+
     with retrying():
-        worker.call("llm", lambda: None)  # the floor allows 1
+        with pytest.raises(httpx.ConnectError):
+            worker.call("llm", down)  # the floor allows 1; it fails, so it keeps its share
         worker.call("llm", lambda: None)  # not a retry any more
     with retrying(), pytest.raises(RetryDeferred):
         worker.call("llm", lambda: None)
+
+
+def test_a_retry_answered_well_gives_its_share_back(engine: sa.Engine) -> None:
+    """Room for one failing retry (floor 0.1/s over 10 s, no share): retries the upstream answers well (a value, or
+    a 2xx response) give their share back, so after an outage the backlog flows; one that fails, or an HTTP error
+    response, keeps it, and the next retry is deferred."""
+    clock = FrozenClock(START)
+    worker = Upstreams(engine, {"llm": UpstreamLimits(retry_share=0.0, retry_floor_per_second=0.1,
+                                                      retry_window_seconds=10)}, clock=clock, sleep=refuse)
+    ok = httpx.Response(200, request=httpx.Request("POST", "http://llm"))
+    failed = httpx.Response(503, request=httpx.Request("POST", "http://llm"))
+    for answer in (None, ok, None, ok):
+        with retrying():
+            assert worker.call("llm", lambda answer=answer: answer) is answer
+    with retrying():
+        worker.call("llm", lambda: failed)  # an error response: the last share is spent
+    with retrying(), pytest.raises(RetryDeferred):
+        worker.call("llm", lambda: None)
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT sum(retries), sum(retries_ok) FROM upstream_calls")).one() == (5, 4)
 
 
 def test_unconfigured_upstreams_cost_no_round_trip(engine: sa.Engine) -> None:
@@ -205,8 +234,8 @@ def test_unconfigured_upstreams_cost_no_round_trip(engine: sa.Engine) -> None:
 
 
 def test_the_drain_defers_a_retry_over_the_budget_without_spending_an_attempt(engine: sa.Engine) -> None:
-    """Two entities whose last attempt failed, a budget with room for one retry: one retry is sent and
-    done; the other is not sent, falls due later with its attempts unchanged, and one alert is written."""
+    """Two entities whose last attempt failed, a budget with room for one failing retry: one retry is sent (and
+    fails again: retried); the other is not sent, falls due later with its attempts unchanged, one alert."""
     from redrive import work
     from redrive.backoff import FixedSchedule
     from redrive.drain import Attempt, Drain
@@ -225,19 +254,24 @@ def test_the_drain_defers_a_retry_over_the_budget_without_spending_an_attempt(en
         conn.execute(sa.update(work_items).values(stage="llm", attempts={"llm": 1}))  # each failed once
     sent: list[str] = []
 
+    def down(entity: str) -> None:  # the upstream is still failing: the retry that is sent fails again
+        sent.append(entity)
+        raise httpx.ConnectError("the upstream is down")
+
     def handle(attempt: Attempt) -> None:
-        attempt.stage("llm", lambda: {"answer": up.guarded("llm", lambda: sent.append(attempt.entity_ref))})
+        attempt.stage("llm", lambda: {"answer": up.guarded("llm", lambda: down(attempt.entity_ref))})
 
     up.install(budget)
     try:
         report = Drain(reliability=runtime, pipeline="demo", owner="t", concurrency=1, linger_seconds=0,
-                       policies={"llm": StagePolicy(max_attempts=2, backoff=FixedSchedule((5.0,)))},
+                       policies={"llm": StagePolicy(max_attempts=3, backoff=FixedSchedule((5.0,)))},
                        sleep=clock.sleep).run(handle)
     finally:
         up.install(None)
-    assert len(sent) == 1 and (report.done, report.deferred, report.dead_lettered) == (1, 1, 0)
+    assert len(sent) == 1 and (report.retried, report.deferred, report.dead_lettered) == (1, 1, 0)
     with engine.connect() as conn:
-        deferred = conn.execute(sa.select(work_items).where(work_items.c.status == "due")).one()
+        deferred = conn.execute(sa.select(work_items).where(work_items.c.status == "due",
+                                                            work_items.c.entity_ref != sent[0])).one()
         kinds = conn.execute(sa.select(alerts.c.kind)).scalars().all()
     assert deferred.entity_ref not in sent and deferred.attempts == {"llm": 1}  # no attempt spent
     assert 5 <= (deferred.due_at - clock.now()).total_seconds() <= 15
