@@ -231,7 +231,7 @@ def drain_part(processes: tuple[int, ...] = tuple(int(n) for n in os.environ.get
     return rows
 
 
-OUTAGE_ENTITIES = int(os.environ.get("BENCH_UPSTREAMS_OUTAGE_ENTITIES", "7000"))
+OUTAGE_ENTITIES = int(os.environ.get("BENCH_UPSTREAMS_OUTAGE_ENTITIES", "1500"))  # fresh work runs out early in the outage
 OUTAGE_AFTER, OUTAGE_SECONDS = 20.0, 60.0
 BUDGET = UpstreamLimits(max_concurrent=LLM_CONCURRENT, rate_per_second=LLM_RATE * RATE_SHARE, lease_seconds=60,
                         retry_share=0.1, retry_floor_per_second=1.0, retry_window_seconds=10)

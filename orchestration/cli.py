@@ -566,11 +566,12 @@ def db_downgrade(yes: bool) -> None:
 def metrics_serve(host: str, port: int) -> None:
     """Serve /metrics for Prometheus until SIGTERM: every pipeline's series, read from PostgreSQL per scrape."""
     from orchestration.metrics import serve
+    from redrive import logs
     from redrive.clock import SystemClock
     from redrive.db import engine_for
 
     with database_url() as url:
-        click.echo(f"serving http://{host}:{port}/metrics", err=True)
+        click.echo(logs.line(f"serving http://{host}:{port}/metrics"), err=True)
         serve(engine_for(url), SystemClock(), host, port)
 
 
@@ -641,11 +642,12 @@ def console_serve(host: str, port: int) -> None:
     import uvicorn
 
     from orchestration.console import create_app
+    from redrive import logs
     from redrive.db import engine_for
     from redrive.settings import Settings
 
     with database_url() as url:
-        click.echo(f"serving the dead-letter console on http://{host}:{port}/", err=True)
+        click.echo(logs.line(f"serving the dead-letter console on http://{host}:{port}/"), err=True)
         uvicorn.run(create_app(engine_for(url), ui_url=Settings().dagster_ui_url), host=host, port=port,
                     log_config=None, access_log=False)
 

@@ -129,6 +129,13 @@ def formatter(fmt: str) -> logging.Formatter:
     return _TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def line(message: str, name: str = "redrive") -> str:
+    """A service's one-off line (its "serving …"): one JSON record in JSON mode, else the text as it is."""
+    if log_format() != "json":
+        return message
+    return formatter("json").format(logging.LogRecord(name, logging.INFO, __file__, 0, message, None, None))
+
+
 def run_log_handler() -> logging.Handler:
     """For dagster.yaml's `python_logs.dagster_handler_config`: every run's log lines (`context.log`, Dagster's
     events) in JSON on stderr when REDRIVE_LOG_FORMAT=json; nothing otherwise (then Dagster's console logger writes
@@ -159,9 +166,25 @@ def one_line_per_run_record() -> None:
     text beside run_log_handler's JSON line: two lines per record. Dagster offers no setting for it short of a
     `loggers:` entry in every run's config (sensors, backfills, the launchpad, retries), so where run_log_handler
     writes JSON the default console logger is left out; text mode, or an instance without our handler, keeps it.
+    A sensor's or schedule's lines (the code server's) are JSON in JSON mode too.
     """
+    from dagster._core.definitions import instigation_logger
     from dagster._core.execution import context_creation_job, host_mode
 
+    # a sensor's or schedule's `context.log` (the code server's lines) goes to a console logger Dagster builds
+    # for each tick: in JSON mode, one whose line is ours
+    if not getattr(instigation_logger.create_console_logger, "redrive_one_line", False):
+        dagster_console = instigation_logger.create_console_logger
+
+        def create_console_logger(name: str, level: Any, _dagster_console: Any = dagster_console) -> logging.Logger:
+            if log_format() != "json":
+                return _dagster_console(name, level)
+            console = logging.Logger(name, level=level)  # not registered, as Dagster's is not
+            console.addHandler(run_log_handler())
+            return console
+
+        create_console_logger.redrive_one_line = True  # type: ignore[attr-defined]
+        instigation_logger.create_console_logger = create_console_logger  # type: ignore[attr-defined]
     for module in (context_creation_job, host_mode):
         dagster_default = module.default_system_loggers
         if getattr(dagster_default, "redrive_one_line", False):

@@ -127,3 +127,12 @@ def test_chatty_third_party_info_lines_are_quiet(root) -> None:
     logging.getLogger("botocore.credentials").info("Found credentials in environment variables.")
     logging.getLogger("botocore.credentials").warning("credentials expire soon")
     assert [line["message"] for line in lines(buf)] == ["credentials expire soon"]
+
+
+def test_a_services_one_off_line_is_json_when_json_is_asked_for(monkeypatch) -> None:
+    """`redrive metrics serve` and `console serve` say where they listen: a JSON record, or the text as it is."""
+    monkeypatch.setenv(logs.FORMAT_ENV, "json")
+    said = json.loads(logs.line("serving http://127.0.0.1:9108/metrics"))
+    assert said["message"] == "serving http://127.0.0.1:9108/metrics" and said["level"] == "INFO"
+    monkeypatch.setenv(logs.FORMAT_ENV, "text")
+    assert logs.line("serving x") == "serving x"

@@ -189,3 +189,19 @@ def test_a_run_writes_each_record_once_in_the_format_asked_for(fmt, deployed_ins
         assert json.loads(said[0])["message"].endswith(marker)
     else:
         assert not said[0].startswith("{")
+
+
+def test_a_sensors_lines_are_json_when_json_is_asked_for(capsys, monkeypatch) -> None:
+    """`context.log` of a sensor (printed by the code server at each tick): one JSON line in JSON mode."""
+    monkeypatch.setenv(logs.FORMAT_ENV, "json")
+    logs.one_line_per_run_record()
+
+    @dg.sensor(job_name="nothing")
+    def speaks(context):  # noqa: ANN001 - Dagster reads the annotation; this module has string annotations
+        context.log.info("sensor-json-marker")
+        return dg.SkipReason("quiet")
+
+    with dg.build_sensor_context() as context:
+        speaks(context)
+    said = [line for line in capsys.readouterr().err.splitlines() if "sensor-json-marker" in line]
+    assert len(said) == 1 and json.loads(said[0])["message"].endswith("sensor-json-marker"), said

@@ -11,6 +11,7 @@ daemon's tick and reads a failed run's one line, the rehearsal and conversion de
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,9 @@ LAUNCH = """mutation($p: ExecutionParams!) { launchRun(executionParams: $p) { __
     ... on LaunchRunSuccess { run { runId status } } ... on PythonError { message }
     ... on RunConfigValidationInvalid { errors { message } } } }"""
 RUN = """query($id: ID!) { runOrError(runId: $id) { __typename ... on Run { status tags { key value } } } }"""
+
+
+DAGSTER_CONSOLE_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} - dagster - ")
 
 
 def graphql(topology: Topology, query: str, **variables: Any) -> dict[str, Any]:
@@ -137,11 +141,12 @@ def test_topology_serves_work_and_leaves_no_process(db_url: str, dagster_pg_url:
             return status if status in {"SUCCESS", "FAILURE", "CANCELED"} else None
 
         assert eventually(run_finished, "the healthcheck run", timeout=300) == "SUCCESS"
-        # each of the run's records is one JSON line in the services' logs (the run worker's included), with no
-        # coloured text line of Dagster's console logger beside it
-        lines = [line for p in topology.processes.values()
-                 for line in p.log.read_text(errors="replace").splitlines() if run_id in line]
-        assert lines and [line for line in lines if not line.startswith("{")] == [], lines[:6]
+        # each of the run's records is one JSON line in the services' logs (the run worker's included), and no
+        # service prints a line of Dagster's console loggers (a run's, or a sensor's tick in the code server)
+        logged = [line for p in topology.processes.values() for line in p.log.read_text(errors="replace").splitlines()]
+        of_run = [line for line in logged if run_id in line]
+        assert of_run and [line for line in of_run if not line.startswith("{")] == [], of_run[:6]
+        assert [line for line in logged if DAGSTER_CONSOLE_LINE.match(line)] == []
 
         # the same through devstack.dagster_api, as `make demo` drives the deployment: a sensor stopped and
         # started like the UI's toggle, the daemon's next tick of it, and a failed run's failure as one line
