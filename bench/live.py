@@ -233,10 +233,10 @@ def report(series: Series, ledgers: dict[str, chaos.Ledger], state: dict[str, tu
     ok = ok and connections_ok
     for name, ledger in ledgers.items():
         finished, still_open = state.get(name, (0, 0))
-        lost = ledger.expected - finished
-        print(f"  {name:<20} submitted {ledger.expected:>6}, finished {finished:>6}, open {still_open:>4}, "
-              f"lost {max(lost, 0)}")
-        ok = ok and lost <= 0 and still_open == 0
+        lost = max(0, ledger.expected - finished - still_open)  # submitted, and neither finished nor waiting
+        print(f"  {name:<20} submitted {ledger.expected:>6}, finished {finished:>6}, still open {still_open:>4}, "
+              f"lost {lost}")
+        ok = ok and lost == 0 and still_open == 0
     if exited:
         print(f"  services that died: {exited}")
     print(f"  verdict: {'PASS' if ok else 'FAIL'}")
