@@ -168,9 +168,17 @@ def one_line_per_run_record() -> None:
     writes JSON the default console logger is left out; text mode, or an instance without our handler, keeps it.
     A sensor's or schedule's lines (the code server's) are JSON in JSON mode too.
     """
-    from dagster._core.definitions import instigation_logger
-    from dagster._core.execution import context_creation_job, host_mode
+    try:
+        from dagster._core.definitions import instigation_logger
+        from dagster._core.execution import context_creation_job, host_mode
 
+        _one_line(instigation_logger, (context_creation_job, host_mode))
+    except (ImportError, AttributeError):  # a Dagster that moved them: lines may come twice, the code location loads
+        logging.getLogger(__name__).warning("this Dagster has no default_system_loggers or create_console_logger "
+                                            "where redrive expects them; run and sensor lines may print twice")
+
+
+def _one_line(instigation_logger: Any, run_modules: tuple[Any, ...]) -> None:
     # a sensor's or schedule's `context.log` (the code server's lines) goes to a console logger Dagster builds
     # for each tick: in JSON mode, one whose line is ours
     if not getattr(instigation_logger.create_console_logger, "redrive_one_line", False):
@@ -185,7 +193,7 @@ def one_line_per_run_record() -> None:
 
         create_console_logger.redrive_one_line = True  # type: ignore[attr-defined]
         instigation_logger.create_console_logger = create_console_logger  # type: ignore[attr-defined]
-    for module in (context_creation_job, host_mode):
+    for module in run_modules:
         dagster_default = module.default_system_loggers
         if getattr(dagster_default, "redrive_one_line", False):
             continue
