@@ -388,7 +388,7 @@ class Drain:
         (spread by jitter) with its attempts as they were, so an outage never spends entities' attempts."""
         item, now = attempt.item, self.reliability.now()
         spread = self.reliability.rng_for(f"{self.pipeline}:{item.entity_ref}:deferred:{now.isoformat()}")
-        due_at = now + timedelta(seconds=deferred.wait * spread.uniform(0.5, 1.5))
+        due_at = now + timedelta(seconds=deferred.due_after(spread))
         with self.engine.begin() as conn:
             if not work.reschedule(conn, item, due_at=due_at, stage=stage, attempts=attempt.stage_attempts(),
                                    error=f"{stage} of {item.entity_ref}: {deferred}", now=now):

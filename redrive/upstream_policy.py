@@ -5,6 +5,8 @@ Kept apart from `redrive.upstreams` so `redrive.settings` can type one setting p
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["UPSTREAMS", "RetryDeferred", "UpstreamLimits", "retry_allowance"]
@@ -52,5 +54,10 @@ class RetryDeferred(Exception):  # noqa: N818 - a decision, not an error: the re
     def __init__(self, upstream: str, wait: float) -> None:
         super().__init__(f"retry budget of upstream {upstream!r} exhausted; retry deferred")
         self.upstream, self.wait = upstream, wait
+
+    def due_after(self, rng: Any) -> float:
+        """Pure: seconds until the held-back entity is due again, about one budget window, spread (×0.5–1.5)
+        so the entities an exhausted budget holds back do not all come due in the same instant."""
+        return self.wait * rng.uniform(0.5, 1.5)
 
 

@@ -285,7 +285,7 @@ class Attempt:
     failure: Failure | None
     call_ms: float | None
     duration_ms: float
-    deferred: float | None = None  # the gateway's retry budget held this retry back: seconds to wait, nothing sent
+    deferred: upstreams.RetryDeferred | None = None  # the gateway's retry budget held this retry back: nothing sent
 
 
 class Slots:
@@ -835,7 +835,7 @@ class Worker:
                 with upstreams.retrying(lease.attempt > 1):
                     xml = self.gateway.convert(pdf)
             except upstreams.RetryDeferred as held:
-                return Attempt(lease, None, 0, None, None, _ms(start), deferred=held.wait)
+                return Attempt(lease, None, 0, None, None, _ms(start), deferred=held)
             finally:
                 call_ms = round((time.perf_counter() - call_start) * 1000, 2)
             policy.check_xml(xml)
@@ -988,7 +988,7 @@ class Worker:
         spends jobs' attempts; the breaker's window is untouched (no call was made)."""
         lease, now = attempt.lease, self.clock.now()
         spread = self.reliability.rng_for(f"{PIPELINE}:{lease.job_id}:deferred:{now.isoformat()}")
-        due_at = now + timedelta(seconds=(attempt.deferred or 0.0) * spread.uniform(0.5, 1.5))
+        due_at = now + timedelta(seconds=attempt.deferred.due_after(spread))  # type: ignore[union-attr]
         with self._begin() as conn:
             ok = repo.requeue(conn, lease, now, reason="retry budget of the PDF gateway", retry_after=due_at)
         if not ok:
