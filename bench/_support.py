@@ -23,15 +23,18 @@ def machine_cpu() -> float:
 
 
 @contextlib.contextmanager
-def scratch_database(name: str, *, heads: str = "heads") -> Iterator[str]:
-    """A fresh database on DATABASE_URL's server (or the embedded one), so no other work touches its rows."""
+def scratch_database(name: str, *, heads: str | None = "heads") -> Iterator[str]:
+    """A fresh database on DATABASE_URL's server (or the embedded one), so no other work touches its rows;
+    migrated to `heads`, or left empty with None (a Dagster instance's storage)."""
     admin = with_database(resolve_database_url(Settings()), "postgres")
     drop_database(admin, name)
     create_database(admin, name)
     url = with_database(admin, name)
     try:
-        command.upgrade(alembic_config(url), heads)
+        if heads is not None:
+            command.upgrade(alembic_config(url), heads)
         yield url
     finally:
         engine_for(url).dispose()
         drop_database(admin, name)
+

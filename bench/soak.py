@@ -1,6 +1,7 @@
 """Months of operation in accelerated time: does the state stay bounded and the cost flat? (issue 28)
 
     python -m bench soak                                   # 90 days × 5,000 entities a day, 10 M events
+    python -m bench soak --part runs                       # only Dagster's run storage (part 4)
     BENCH_SOAK_DAYS=30 BENCH_SOAK_PER_DAY=2000 BENCH_SOAK_HISTORY=1000000 python -m bench soak
 
 Two parts, on a scratch database of their own (every migration applied):
@@ -19,6 +20,13 @@ Two parts, on a scratch database of their own (every migration applied):
    rows, the database's size, the claim of 50 due rows (`redrive.work.claim`, 20 claims over a backlog of
    1,000 due rows) and a scrape (15): median wall time and CPU per call (this process's and PostgreSQL's,
    which the verdicts compare: on a machine shared with other work, wall time is mostly waiting for a core).
+4. **Dagster's own storage over the deployment's age** (`runs_part`). Two Dagster instances on PostgreSQL get
+   the same RUNS_PER_DAY runs a day (the drained pipelines' drain rounds, 1 % failed; each a clone, in SQL, of a
+   real run of the same job name and tags with its event log); one is pruned as the deployed pruner does
+   (`orchestration.retention.prune_dagster_runs`, default windows: 7 days, 30 for failed runs), the other
+   never. At the sample days: a tick of each due-work sensor and of the run watchdog (the code location's own
+   sensor definitions, evaluated against that instance and the soak's database), and the Runs page's two
+   queries (the newest 25 runs and the count, unfiltered and filtered by pipeline), median wall time.
 3. **Claims beside the pruner.** 200,000 expired rows are pruned while a connection claims 50 due rows at a time;
    a monitor samples `pg_stat_activity` for that connection waiting on a lock.
 
@@ -387,15 +395,179 @@ def lock_part(engine: sa.Engine) -> bool:
     return ok
 
 
-def main() -> int:
+# ----------------------------------------------------------- part 4: Dagster's run storage over the age
+
+
+RUNS_PER_DAY = int(os.environ.get("BENCH_SOAK_RUNS_PER_DAY", "720"))  # drain rounds of ≤ 10 min, file jobs
+
+
+def _dagster_instance(url: str, home: str):  # type: ignore[no-untyped-def]
+    import dagster as dg
+
+    with open(os.path.join(home, "dagster.yaml"), "w") as f:
+        f.write(f"storage:\n  postgres:\n    postgres_url: \"{url}\"\ntelemetry:\n  enabled: false\n")
+    return dg.DagsterInstance.from_config(home)
+
+
+def _templates(instance, drain_jobs: dict[str, dict[str, str]]) -> dict[str, list[str]]:  # type: ignore[no-untyped-def]
+    """A real succeeded and a real failed run of each drain job's name and tags (a one-op stand-in job, so the
+    event log is a real run's), to be cloned day by day."""
+    import dagster as dg
+
+    out: dict[str, list[str]] = {"SUCCESS": [], "FAILURE": []}
+    @dg.op(name="drain")
+    def drained() -> dict[str, int]:
+        return {"claimed": 50, "done": 50}
+
+    @dg.op(name="drain")
+    def failed() -> dict[str, int]:
+        raise RuntimeError("stand-in for a failed drain run")
+
+    quiet = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+    for name, tags in drain_jobs.items():
+        for status, op in (("SUCCESS", drained), ("FAILURE", failed)):
+            job = dg.GraphDefinition(name=name, node_defs=[op]).to_job(tags=tags)
+            result = job.execute_in_process(instance=instance, raise_on_error=False, run_config=quiet)
+            out[status].append(result.run_id)
+    return out
+
+
+def _clone_runs(conn: sa.Connection, templates: dict[str, list[str]], day_start: datetime, n: int) -> None:
+    """n runs of the day, spread over it, 1 % failed: each a copy of a template with a new run id (its body, tags
+    and event log rewritten to the new id) and the day's timestamps."""
+    naive = day_start.replace(tzinfo=None)
+    cols = {t: [c for c in conn.execute(sa.text(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = :t AND table_schema = 'public' "
+        "ORDER BY ordinal_position"), {"t": t}).scalars() if c != "id"] for t in ("runs", "run_tags", "event_logs")}
+    conn.execute(sa.text("CREATE TEMP TABLE IF NOT EXISTS new_runs (run_id text, template text, at timestamp)"))
+    conn.execute(sa.text("TRUNCATE new_runs"))
+    failed = max(1, n // 100)
+    for status, k in (("SUCCESS", n - failed), ("FAILURE", failed)):
+        conn.execute(sa.text(
+            "INSERT INTO new_runs SELECT gen_random_uuid()::text, (CAST(:templates AS text[]))[1 + i % :m], "
+            "CAST(:start AS timestamp) + make_interval(secs => i * 86400.0 / :k) FROM generate_series(0, :k - 1) i"),
+            {"templates": templates[status], "m": len(templates[status]), "start": naive, "k": k})
+    special = {"runs": {"run_id": "n.run_id", "run_body": "replace(r.run_body, r.run_id, n.run_id)",
+                        "create_timestamp": "n.at", "update_timestamp": "n.at + interval '5 minutes'",
+                        "start_time": "extract(epoch FROM n.at)", "end_time": "extract(epoch FROM n.at) + 300"},
+               "run_tags": {"run_id": "n.run_id"},
+               "event_logs": {"run_id": "n.run_id", "event": "replace(r.event, n.template, n.run_id)",
+                              "timestamp": "n.at + (r.timestamp - (SELECT min(x.timestamp) FROM event_logs x "
+                                           "WHERE x.run_id = n.template))"}}
+    for table in ("runs", "run_tags", "event_logs"):
+        select = ", ".join(special[table].get(c, f"r.{c}") for c in cols[table])
+        conn.execute(sa.text(f"INSERT INTO {table} ({', '.join(cols[table])}) SELECT {select} "
+                             f"FROM new_runs n JOIN {table} r ON r.run_id = n.template"))
+
+
+def _tick_and_page_ms(instance, sensors, app_resources) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    import dagster as dg
+
+    out: dict[str, float] = {}
+    for sensor in sensors:
+        def tick(sensor=sensor) -> None:
+            with dg.build_sensor_context(instance=instance, resources=app_resources) as context:
+                sensor(context)
+
+        tick()
+        out[f"tick {sensor.name}"] = median_ms(tick, 15)
+    tag = {"redrive/pipeline": "criticizer"}
+    out["Runs page (newest 25 + count)"] = median_ms(
+        lambda: (instance.get_run_records(limit=25), instance.get_runs_count()), 15)
+    out["Runs page, one pipeline"] = median_ms(
+        lambda: (instance.get_run_records(dg.RunsFilter(tags=tag), limit=25),
+                 instance.get_runs_count(dg.RunsFilter(tags=tag))), 15)
+    return out
+
+
+def runs_part(app_url: str, days: int = DAYS) -> bool:
+    from orchestration.definitions import build_definitions
+    from orchestration.retention import prune_dagster_runs
+    from redrive.drain_ops import DRAIN_TAG
+
+    settings = Settings(database_url=app_url)
+    defs = build_definitions(settings)
+    drain_jobs = {job.name: dict(job.tags) for job in defs.get_repository_def().get_all_jobs()
+                  if job.tags.get(DRAIN_TAG) == "true"}
+    sensors = [defs.get_sensor_def(name) for name in sorted(
+        s.name for s in defs.get_repository_def().sensor_defs
+        if s.name.endswith("_due_work") or s.name == "redrive_run_watchdog")]
+    resources = {"reliability": defs.resources["reliability"]}
+    with engine_for(app_url).begin() as conn:  # due work, so each due-work tick goes its whole way
+        for pipeline in PIPELINES:
+            work.enqueue(conn, pipeline, f"tick-{pipeline}", now=START)
+    print(f"\nDagster's run storage: {RUNS_PER_DAY} drain runs a day ({len(drain_jobs)} drain jobs, 1 % failed) "
+          f"for {days} days, pruned as deployed (7 days; failed 30) beside never pruned; {len(sensors)} sensors")
+    samples: dict[int, dict[str, dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as pruned_home, tempfile.TemporaryDirectory() as kept_home, \
+            scratch_database("redrive_bench_soak_dagster_pruned", heads=None) as pruned_url, \
+            scratch_database("redrive_bench_soak_dagster_kept", heads=None) as kept_url:
+        instances = {"pruned": _dagster_instance(pruned_url, pruned_home),
+                     "kept": _dagster_instance(kept_url, kept_home)}
+        templates = {k: _templates(i, drain_jobs) for k, i in instances.items()}
+        engines = {"pruned": engine_for(pruned_url), "kept": engine_for(kept_url)}
+        prune_s: list[float] = []
+        for day in range(1, days + 1):
+            start = START + timedelta(days=day - 1)
+            for kind, engine in engines.items():
+                with engine.begin() as conn:
+                    _clone_runs(conn, templates[kind], start, RUNS_PER_DAY)
+            started = time.perf_counter()
+            while prune_dagster_runs(instances["pruned"], start + timedelta(days=1), settings).total:
+                pass
+            prune_s.append(time.perf_counter() - started)
+            if day in SAMPLES:
+                for engine in engines.values():
+                    with engine.connect() as conn:
+                        conn.execution_options(isolation_level="AUTOCOMMIT")
+                        conn.execute(sa.text("VACUUM ANALYZE"))
+                samples[day] = {k: _tick_and_page_ms(i, sensors, resources) for k, i in instances.items()}
+                counts = {k: i.get_runs_count() for k, i in instances.items()}
+                pruned, kept = samples[day]["pruned"], samples[day]["kept"]
+                ticks = [v for k, v in pruned.items() if k.startswith("tick")]
+                print(f"  day {day:>3}: runs kept {counts['pruned']:>7,} (never pruned: {counts['kept']:>7,}); "
+                      f"slowest sensor tick {max(ticks):6.2f} ms (never pruned "
+                      f"{max(v for k, v in kept.items() if k.startswith('tick')):6.2f}); Runs page "
+                      f"{pruned['Runs page (newest 25 + count)']:6.2f} ms (never pruned "
+                      f"{kept['Runs page (newest 25 + count)']:6.2f}); pruning {statistics.median(prune_s[-7:]):.2f} "
+                      f"s/day", flush=True)
+        for instance in instances.values():
+            instance.dispose()
+        for engine in engines.values():
+            engine.dispose()
+    first, last = SAMPLES[0], [d for d in SAMPLES if d <= days][-1]
+    print(f"  per query at days {', '.join(str(d) for d in samples)} (ms, median of 15; pruned | never pruned):")
+    ok = True
+    for what in samples[first]["pruned"]:
+        row = " ".join(f"{samples[d]['pruned'][what]:7.2f}|{samples[d]['kept'][what]:<7.2f}" for d in samples)
+        fine = samples[last]["pruned"][what] <= 1.2 * samples[first]["pruned"][what] + 1.0
+        ok = ok and fine
+        print(f"    {what:<44} {row}  {'PASS' if fine else 'FAIL'}")
+    print(f"  verdict: every sensor tick and the Runs page at day {last} ≤ 1.2 × day {first} (+1 ms): "
+          f"{'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m bench soak")
+    parser.add_argument("--part", choices=["all", "history", "days", "locks", "runs"], default="all")
+    part = parser.parse_args(argv or []).part
     print(f"  {DAYS} days × {PER_DAY:,} entities a day (synthesized), history of {HISTORY:,} events; default retention")
     with tempfile.TemporaryDirectory() as folder, scratch_database("redrive_bench_soak") as url:
         os.environ.setdefault("UPLOADS_DIR", folder)  # conversion's files rule: the synthesized jobs have none
         os.environ.setdefault("RESULTS_DIR", folder)
         engine = engine_for(url)
-        trigger_part(engine)
         pg = postgres_pids(url)
-        ok = history_part(engine, pg) if HISTORY else True
-        ok = days_part(engine, pg) and ok
-        ok = lock_part(engine) and ok
+        ok = True
+        if part in ("all", "history"):
+            trigger_part(engine)
+            ok = (history_part(engine, pg) if HISTORY else True) and ok
+        if part in ("all", "days"):
+            ok = days_part(engine, pg) and ok
+        if part in ("all", "locks"):
+            ok = lock_part(engine) and ok
+        if part in ("all", "runs") and RUNS_PER_DAY:
+            ok = runs_part(url) and ok
     return 0 if ok else 1

@@ -17,6 +17,10 @@ against what the provider allows (the smaller of concurrency ÷ mean latency and
 peak concurrency and peak requests in any 1 s window, and how many requests it refused (must be 0).
 Not yet through `make serve`'s topology (daemon, run queue): the drains are plain processes here.
 
+Part 1b, in flight (`--part in-flight`): one drain process against the slow LLM with no limits, 8, 64 and 256
+entities in flight, a plain handler (a thread each) against a coroutine handler (a task each), interleaved:
+entities/s against in-flight ÷ mean latency, and the process's peak threads and resident memory.
+
 Part 3, an outage (`outage_part`): the LLM answers 503 to everything for 60 s at full load; the retries sent
 stay within the retry budget, throughput comes back within 30 s, nothing is lost or called twice, one alert.
 """
@@ -31,6 +35,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import psutil
@@ -139,31 +144,50 @@ def limiter_part() -> dict[str, tuple[float, float]]:
 
 
 def _drain_process(db_url: str, sandbox_url: str, owner: str, concurrency: int, out: Any,
-                   limits: UpstreamLimits = LIMITS, linger: float = 1.0) -> None:
+                   limits: UpstreamLimits | None = LIMITS, linger: float = 1.0, handler: str = "coroutine") -> None:
     """One drain process: each entity one LLM call (its ref in the prompt, so the sandbox's effect log tells
-    a second call of the same entity apart) and one checkpoint; the retry budget's alert is the core's."""
+    a second call of the same entity apart) and one checkpoint; the retry budget's alert is the core's.
+    `handler`: "coroutine" (the criticizer's kind: no thread per entity in flight) or "thread" (a plain one)."""
     from redrive.backoff import FixedSchedule
     from redrive.drain import Attempt, Drain
     from redrive.reliability import Reliability
     from redrive.stages import StagePolicy
-    from resources.http import shared_client
+    from resources.http import shared_async_client, shared_client
 
     engine = engine_for(db_url)
     runtime = Reliability(engine=engine)
-    up.install(up.Upstreams(engine, {"llm": limits}, clock=SystemClock(), on_exhausted=runtime.retry_budget_exhausted))
+    if limits is not None:
+        up.install(up.Upstreams(engine, {"llm": limits}, clock=SystemClock(),
+                                on_exhausted=runtime.retry_budget_exhausted))
     url = f"{sandbox_url}/llm/v1/chat/completions"
 
+    def body(entity: str) -> dict[str, Any]:
+        return {"model": "m", "messages": [{"role": "user", "content": f"critique {entity}"}]}
+
     def post(entity: str) -> Any:
-        body = {"model": "m", "messages": [{"role": "user", "content": f"critique {entity}"}]}
-        answer = shared_client().post(url, json=body, headers={"Authorization": "Bearer k"}, timeout=30)
+        answer = shared_client().post(url, json=body(entity), headers={"Authorization": "Bearer k"}, timeout=30)
         answer.raise_for_status()
         return answer.json()["id"]
 
-    def handle(attempt: Attempt) -> None:
+    async def apost(entity: str) -> Any:
+        answer = await shared_async_client().post(url, json=body(entity), headers={"Authorization": "Bearer k"},
+                                                  timeout=30)
+        answer.raise_for_status()
+        return answer.json()["id"]
+
+    def handle_on_a_thread(attempt: Attempt) -> None:
         attempt.stage("llm", lambda: {"id": up.guarded("llm", lambda: post(attempt.entity_ref))})
 
+    async def handle_as_a_task(attempt: Attempt) -> None:
+        async def call() -> dict[str, Any]:
+            return {"id": await up.aguarded("llm", lambda: apost(attempt.entity_ref))}
+
+        await attempt.astage("llm", call)
+
+    handle = handle_as_a_task if handler == "coroutine" else handle_on_a_thread
+
     drain = Drain(reliability=runtime, pipeline="bench_upstreams", owner=owner, concurrency=concurrency,
-                  batch_size=concurrency, linger_seconds=linger, max_seconds=900,
+                  batch_size=min(concurrency, 100), linger_seconds=linger, max_seconds=900,
                   policies={"llm": StagePolicy(max_attempts=5, backoff=FixedSchedule((1.0, 2.0, 4.0)))})
     report = drain.run(handle)
     out.put(report.as_metadata())
@@ -207,8 +231,6 @@ def drain_part(processes: tuple[int, ...] = tuple(int(n) for n in os.environ.get
                 done = conn.execute(sa.text("SELECT count(*) FROM work_items WHERE status = 'done'")).scalar_one()
         calls = sandbox.effects("llm.call")
         stamps = sorted(e["at"] for e in calls)
-        from datetime import datetime
-
         span = (datetime.fromisoformat(stamps[-1]) - datetime.fromisoformat(stamps[0])).total_seconds()
         rate = (len(calls) - 1) / span if span > 0 else float("nan")
         meter = sandbox.meters("llm")
@@ -228,6 +250,62 @@ def drain_part(processes: tuple[int, ...] = tuple(int(n) for n in os.environ.get
               f"machine CPU {row['cpu_ms_per_entity']:.1f} ms/entity", flush=True)
     print(f"  what caps it: the provider's rate ({LLM_RATE}/s; the limiter grants {LIMITS.rate_per_second:.0f}/s) — concurrency ÷ latency "
           f"({LLM_CONCURRENT / mean_lognormal(LLM_P50, LLM_P99):.1f}/s) is above it")
+    return rows
+
+
+IN_FLIGHT_LEVELS = tuple(int(n) for n in os.environ.get("BENCH_UPSTREAMS_IN_FLIGHT", "8,64,256").split(","))
+
+
+def in_flight_part(levels: tuple[int, ...] = IN_FLIGHT_LEVELS) -> list[dict[str, Any]]:
+    """One drain process, the LLM as slow as the provider's (p50 1 s, p99 4 s) with its limits out of the way:
+    entities/s against `in flight ÷ mean latency`, and the process's peak threads and resident memory, for a
+    plain handler (a thread per entity in flight) and a coroutine handler (a task), interleaved per level."""
+    sandbox = SandboxClient(os.environ["SANDBOX_URL"], timeout=30)
+    mean = mean_lognormal(LLM_P50, LLM_P99)
+    ctx = mp.get_context("spawn")
+    rows = []
+    print(f"\nin flight in one drain run: the LLM p50 {LLM_P50} s, p99 {LLM_P99} s (mean {mean:.2f} s), no limits; "
+          f"6 × in-flight entities a run")
+    for i, level in enumerate(levels):
+        for handler in (("thread", "coroutine") if i % 2 == 0 else ("coroutine", "thread")):
+            n = level * 6
+            sandbox.reset()
+            sandbox.set_profile("llm", p50=LLM_P50, p99=LLM_P99, seed=26)
+            with scratch_database(f"bench_upstreams_inflight_{handler}_{level}") as url:
+                engine = engine_for(url)
+                with engine.begin() as conn:
+                    work.enqueue_many(conn, "bench_upstreams", [(f"e-{j}", None) for j in range(n)],
+                                      now=SystemClock().now())
+                out = ctx.Queue()
+                proc = ctx.Process(target=_drain_process, args=(url, sandbox.base_url, f"inflight-{handler}", level,
+                                                                out, None, 0.5, handler))
+                started = time.perf_counter()
+                proc.start()
+                watched = psutil.Process(proc.pid)
+                threads = rss = 0
+                while proc.is_alive():
+                    try:
+                        threads = max(threads, watched.num_threads())
+                        rss = max(rss, watched.memory_info().rss)
+                    except psutil.Error:
+                        break
+                    time.sleep(0.1)
+                report = out.get(timeout=1800)
+                proc.join(30)
+                wall = time.perf_counter() - started
+            calls = sandbox.effects("llm.call")
+            stamps = sorted(datetime.fromisoformat(e["at"]) for e in calls)
+            span = (stamps[-1] - stamps[0]).total_seconds() if len(stamps) > 1 else float("nan")
+            rate = (len(stamps) - 1) / span
+            ideal = level / mean
+            row = {"handler": handler, "in_flight": level, "entities": n, "done": report["done"],
+                   "entities_per_s": rate, "ideal_per_s": ideal, "ratio_to_ideal": rate / ideal,
+                   "peak_concurrency": sandbox.meters("llm")["peak_concurrency"], "peak_threads": threads,
+                   "peak_rss_mb": rss / 2**20, "wall_s": wall}
+            rows.append(row)
+            print(f"  {handler:<9} × {level:>3} in flight: {report['done']}/{n} done, {rate:6.1f} entities/s = "
+                  f"{rate / ideal:4.2f} of {ideal:.1f}/s; LLM peak {row['peak_concurrency']} at once; process peak "
+                  f"{threads} threads, {rss / 2**20:.0f} MB resident", flush=True)
     return rows
 
 
@@ -256,8 +334,6 @@ def outage_part(processes: int = 2) -> dict[str, Any]:
     within the budget; successful calls a second, from the sandbox's effect log, must be back to 0.9 of the
     pre-outage median within 30 s of recovery; every entity done or dead-lettered, none called twice after
     success, one `retry_budget_exhausted` alert."""
-    from datetime import datetime
-
     sandbox = SandboxClient(os.environ["SANDBOX_URL"], timeout=60)
     sandbox.reset()
     sandbox.set_profile("llm", p50=LLM_P50, p99=LLM_P99, max_concurrent=LLM_CONCURRENT, rate_per_second=LLM_RATE,
@@ -322,11 +398,13 @@ def outage_part(processes: int = 2) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench upstreams")
-    parser.add_argument("--part", choices=["limiter", "drain", "outage", "all"], default="all")
+    parser.add_argument("--part", choices=["limiter", "in-flight", "drain", "outage", "all"], default="all")
     args = parser.parse_args(argv or [])
     print(f"machine: {psutil.cpu_count()} cores")
     if args.part in ("limiter", "all"):
         limiter_part()
+    if args.part in ("in-flight", "all"):
+        in_flight_part()
     if args.part in ("drain", "all"):
         rows = drain_part()
         bad = [r for r in rows if r["refused_429"] or r["done"] != ENTITIES]

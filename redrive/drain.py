@@ -12,22 +12,32 @@ fenced by epoch), works up to `concurrency` entities at a time, and settles ever
 Stages are checkpointed, so a retry or a replay resumes at the failed stage. A run lingers
 for work falling due within `linger_seconds` and ends when none is left; the sensor starts
 the next round when more falls due. Nothing here imports Dagster: `redrive.drain_ops` adapts it.
+
+One engine for both kinds of handler (issue 26 §2). The run is an asyncio loop: an entity is a
+task, claims and settlements run on a few I/O threads. A coroutine handler (`async def`, its
+upstream calls through async clients) holds no OS thread while it waits on an upstream, so a run
+holds hundreds of entities in flight for the cost of their tasks; a plain handler still gets a
+thread of its own per entity in flight, as before.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
+import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
-from redrive import checkpoints, deadletters, liveness, logs, observations, upstreams, work
+from redrive import aio, checkpoints, deadletters, liveness, logs, observations, upstreams, work
 from redrive.failures import Code, Failure, classify_exception
 from redrive.reliability import Reliability
 from redrive.sanitize import sanitize_exception, sanitize_text
@@ -36,6 +46,7 @@ from redrive.stages import StagePolicy
 from redrive.work import WorkItem
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FROM_START = "start"
 
@@ -97,22 +108,47 @@ class Attempt:
         ``observe=False``: the attempt's outcome is not known when the work returns (evidence's row may
         have failed artifacts to retry); it is counted when the entity settles — ok, or a retry of
         ``retry_error_class`` when the handler sets one."""
-        drain = self.drain
-        if checkpoint:
-            def load() -> dict[str, Any] | None:
-                with drain.engine.connect() as conn:
-                    return checkpoints.load(conn, drain.pipeline, self.entity_ref, name)
-
-            done = drain._patiently(load)
-            if done is not None:
-                return done
+        if checkpoint and (done := self.drain._patiently(lambda: self._checkpoint(name))) is not None:
+            return done
         self.current_stage = name
         started = time.perf_counter()
         try:
             output = dict(work_fn())
         except Exception as exc:  # noqa: BLE001 - settled by the drain under the stage's policy
             raise StageError(name, exc, time.perf_counter() - started) from None
+        self._finished(name, output, time.perf_counter() - started, checkpoint, observe)
+        return output
+
+    async def astage(self, name: str, work_fn: Callable[[], Awaitable[Mapping[str, Any]]], *,
+                     checkpoint: bool = True, observe: bool = True) -> dict[str, Any]:
+        """`stage` for a coroutine handler: the work is awaited on the run's loop (an upstream call holds no
+        thread); the checkpoint's read and write run on the run's I/O threads."""
+        drain = self.drain
+        if checkpoint:
+            done = await self.blocking(lambda: drain._patiently(lambda: self._checkpoint(name)))
+            if done is not None:
+                return done
+        self.current_stage = name
+        started = time.perf_counter()
+        try:
+            output = dict(await work_fn())
+        except Exception as exc:  # noqa: BLE001 - settled by the drain under the stage's policy
+            raise StageError(name, exc, time.perf_counter() - started) from None
         seconds = time.perf_counter() - started
+        await self.blocking(lambda: self._finished(name, output, seconds, checkpoint, observe))
+        return output
+
+    async def blocking(self, fn: Callable[[], T]) -> T:
+        """`fn()` (a database write, a synchronous client) on the run's I/O threads, off the loop."""
+        return await self.drain.blocking(fn)
+
+    def _checkpoint(self, name: str) -> dict[str, Any] | None:
+        with self.drain.engine.connect() as conn:
+            return checkpoints.load(conn, self.drain.pipeline, self.entity_ref, name)
+
+    def _finished(self, name: str, output: dict[str, Any], seconds: float, checkpoint: bool, observe: bool) -> None:
+        """Count the stage's attempt and write its checkpoint and observation."""
+        drain = self.drain
         self.attempts[name] = self.attempts.get(name, 0) + 1
         if not observe:
             self.unobserved = (name, seconds)
@@ -125,7 +161,6 @@ class Attempt:
                         observations.observe(conn, drain.pipeline, name, observations.OK, seconds=seconds)
 
             drain._patiently(save)  # the stage succeeded: an outage now must not turn it into a failed attempt
-        return output
 
     def observe_settled(self, conn: sa.Connection) -> None:
         """Count the attempt of an ``observe=False`` stage as it settles: a retry of its class, or ok."""
@@ -146,7 +181,8 @@ class Attempt:
         return out
 
 
-Handler = Callable[[Attempt], None]
+# a plain function (a thread per entity in flight) or a coroutine function (a task per entity, no thread)
+Handler = Callable[[Attempt], None] | Callable[[Attempt], Awaitable[None]]
 
 
 @dataclass
@@ -179,7 +215,8 @@ class Drain:
     pipeline: str
     policies: Mapping[str, StagePolicy]
     owner: str
-    concurrency: int = 8
+    concurrency: int = 8  # entities in flight; a coroutine handler's hold no thread, so hundreds cost little
+    io_threads: int = 8  # claims, settlements and a coroutine handler's database writes (the pool has 15)
     batch_size: int = 50
     lease_seconds: float = 60.0  # a dead worker's rows come back within a minute; the heartbeat extends every 20 s
     linger_seconds: float = 5.0  # wait for work falling due this soon, rather than end the run
@@ -191,6 +228,7 @@ class Drain:
     outage_patience_seconds: float = 300.0
     outage_sleep: Callable[[float], None] = time.sleep
     _lease_ends: dict[int, datetime] = field(default_factory=dict, init=False, repr=False)  # as last written
+    _io: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)  # the running run's I/O threads
 
     @property
     def engine(self) -> sa.Engine:
@@ -200,52 +238,75 @@ class Drain:
         return self.policies.get(stage) or next(iter(self.policies.values()))
 
     def run(self, handle: Handler, *, group_key: str | None = None) -> DrainReport:
+        return asyncio.run(self._run(handle, group_key))
+
+    async def blocking(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the run's I/O threads (its context, e.g. the retry flag, goes with it)."""
+        return await asyncio.get_running_loop().run_in_executor(self._io, contextvars.copy_context().run, fn)
+
+    async def _run(self, handle: Handler, group_key: str | None) -> DrainReport:
         report, lock = DrainReport(), threading.Lock()
         started = time.monotonic()
-        inflight: dict[Future[None], WorkItem] = {}
+        inflight: dict[asyncio.Future[None], WorkItem] = {}
         self._lease_ends.clear()
+        loop = asyncio.get_running_loop()
+        self._io = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix=f"drain-io-{self.pipeline}")
+        loop.set_default_executor(self._io)  # `asyncio.to_thread` of clients and the limiter: the same threads
+        coroutine = inspect.iscoroutinefunction(handle)
+        threads = None if coroutine else ThreadPoolExecutor(max_workers=self.concurrency,
+                                                            thread_name_prefix=f"drain-{self.pipeline}")
         stop_heartbeat = threading.Event()
         heartbeat = threading.Thread(target=self._heartbeat, args=(inflight, lock, stop_heartbeat), daemon=True)
         heartbeat.start()
         try:
-            with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix=f"drain-{self.pipeline}") as pool:
-                while True:
-                    # a run the watchdog declared dead claims nothing more (its claims are refused anyway)
-                    out_of_time = time.monotonic() - started > self.max_seconds or liveness.fenced(self.run_id)
-                    full = self.max_items is not None and report.claimed >= self.max_items
-                    free = self.concurrency - len(inflight)
-                    claimed: list[WorkItem] = []
-                    if not out_of_time and not full and (not inflight or free * 2 >= self.concurrency):
-                        limit = min(free, self.batch_size)
-                        if self.max_items is not None:
-                            limit = min(limit, self.max_items - report.claimed)
-                        with lock:
-                            held = list(inflight.values())
-                        claimed = self._patiently(lambda: self._claim(limit, group_key, held))
-                        if claimed:
-                            report.batches += 1
-                            report.claimed += len(claimed)
-                        with lock:
-                            for item in claimed:
-                                inflight[pool.submit(self._work_one, handle, item, report, lock)] = item
-                    if inflight:
-                        done, _ = wait(list(inflight), timeout=1.0, return_when=FIRST_COMPLETED)
-                        with lock:
-                            for fut in done:
-                                self._lease_ends.pop(inflight.pop(fut).id, None)
-                                fut.result()  # _work_one settles everything; a raise here is a bug in it
-                        continue
-                    if out_of_time or full:
-                        break
-                    wait_for = self._patiently(lambda: self._until_next_due(group_key))
-                    if wait_for is None or wait_for > self.linger_seconds or \
-                            time.monotonic() - started + wait_for > self.max_seconds:
-                        break
-                    self.sleep(max(wait_for, 0.05))
+            while True:
+                # a run the watchdog declared dead claims nothing more (its claims are refused anyway)
+                out_of_time = time.monotonic() - started > self.max_seconds or liveness.fenced(self.run_id)
+                full = self.max_items is not None and report.claimed >= self.max_items
+                free = self.concurrency - len(inflight)
+                if not out_of_time and not full and (not inflight or free * 2 >= self.concurrency):
+                    limit = min(free, self.batch_size)
+                    if self.max_items is not None:
+                        limit = min(limit, self.max_items - report.claimed)
+                    with lock:
+                        held = list(inflight.values())
+                    claimed = await self.blocking(lambda: self._patiently(lambda: self._claim(limit, group_key, held)))
+                    if claimed:
+                        report.batches += 1
+                        report.claimed += len(claimed)
+                    with lock:
+                        for item in claimed:
+                            if coroutine:
+                                task = asyncio.ensure_future(self._awork_one(handle, item, report, lock))  # type: ignore[arg-type]
+                            else:
+                                task = loop.run_in_executor(threads, self._work_one, handle, item, report, lock)
+                            inflight[task] = item
+                if inflight:
+                    done, _ = await asyncio.wait(list(inflight), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                    with lock:
+                        for task in done:
+                            self._lease_ends.pop(inflight.pop(task).id, None)
+                            task.result()  # _work_one settles everything; a raise here is a bug in it
+                    continue
+                if out_of_time or full:
+                    break
+                wait_for = await self.blocking(lambda: self._patiently(lambda: self._until_next_due(group_key)))
+                if wait_for is None or wait_for > self.linger_seconds or \
+                        time.monotonic() - started + wait_for > self.max_seconds:
+                    break
+                self.sleep(max(wait_for, 0.05))  # nothing is in flight: holding the loop holds nobody up
         finally:
+            if inflight:  # the run fails: what is in flight still settles (as a thread pool's shutdown waited)
+                await asyncio.wait(list(inflight))
             stop_heartbeat.set()
             heartbeat.join(timeout=5)
-            self.reliability.try_dispatch()  # alerts of this run's dead letters; the alert sensor retries
+            if threads is not None:
+                threads.shutdown(wait=True)
+            try:
+                await self.blocking(self.reliability.try_dispatch)  # this run's dead letters' alerts; the sensor retries
+                await aio.close_loop_locals()
+            finally:
+                self._io.shutdown(wait=True)
         return report
 
     # --- claiming and leases ---------------------------------------------------------------------
@@ -294,7 +355,7 @@ class Drain:
             return None
         return (backlog.next_due_at - now).total_seconds()
 
-    def _heartbeat(self, inflight: dict[Future[None], WorkItem], lock: threading.Lock, stop: threading.Event) -> None:
+    def _heartbeat(self, inflight: dict[asyncio.Future[None], WorkItem], lock: threading.Lock, stop: threading.Event) -> None:
         """Extend the leases of entities still being worked, every third of a lease."""
         while not stop.wait(self.lease_seconds / 3):
             with lock:
@@ -313,50 +374,76 @@ class Drain:
     # --- one entity --------------------------------------------------------------------------------
 
     def _work_one(self, handle: Handler, item: WorkItem, report: DrainReport, lock: threading.Lock) -> None:
+        """A plain handler's entity, on a thread of its own from claim to settlement."""
         attempt = Attempt(item=item, drain=self, report=report, report_lock=lock)
         try:
             if item.payload.get("replay_from") == FROM_START:
-                with self.engine.begin() as conn:
-                    checkpoints.clear(conn, self.pipeline, item.entity_ref)
-            # an entity whose last attempt failed retries: its first upstream call draws on the retry budget
-            with upstreams.retrying(item.stage is not None and attempt.replay_of is None):
+                self._clear_checkpoints(item)
+            with upstreams.retrying(self._retrying(attempt)):
                 handle(attempt)
         except Exception as exc:  # noqa: BLE001 - every failure is classified and settled, none escapes
-            stage, cause = (exc.stage, exc.cause) if isinstance(exc, StageError) else \
-                (attempt.current_stage or item.stage or next(iter(self.policies)), exc)
-            seconds = exc.seconds if isinstance(exc, StageError) else None
-            try:
-                if isinstance(cause, upstreams.RetryDeferred):
-                    outcome = self._patiently(lambda: self._defer_retry(attempt, stage, cause))
-                else:
-                    outcome = self._patiently(lambda: self._settle_failure(attempt, stage, cause, seconds))
-            except LeaseLost:
-                outcome = "lease_lost"
-            except Exception as settle_exc:  # noqa: BLE001 - the row's lease expires and it is worked again
-                log.error("drain %s: could not settle %s: %s", self.pipeline, item.entity_ref,
-                          sanitize_text(str(settle_exc))[:300])
-                outcome = "unsettled"
+            outcome = self._failed(attempt, exc)
         else:
-            try:
-                # what finished is written, waiting out an outage; the epoch decides whether it still counts
-                outcome = self._patiently(lambda: self._settle_success(attempt))
-            except LeaseLost:
-                outcome = "lease_lost"
-            except Exception as settle_exc:  # noqa: BLE001
-                log.error("drain %s: could not complete %s: %s", self.pipeline, item.entity_ref,
-                          sanitize_text(str(settle_exc))[:300])
-                outcome = "unsettled"
+            outcome = self._succeeded(attempt)
+        self._count(report, lock, outcome)
+
+    async def _awork_one(self, handle: Callable[[Attempt], Awaitable[None]], item: WorkItem, report: DrainReport,
+                         lock: threading.Lock) -> None:
+        """A coroutine handler's entity: a task; only its database writes take an I/O thread, briefly."""
+        attempt = Attempt(item=item, drain=self, report=report, report_lock=lock)
+        try:
+            if item.payload.get("replay_from") == FROM_START:
+                await self.blocking(lambda: self._clear_checkpoints(item))
+            with upstreams.retrying(self._retrying(attempt)):
+                await handle(attempt)
+        except Exception as exc:  # noqa: BLE001 - every failure is classified and settled, none escapes
+            outcome = await self.blocking(functools.partial(self._failed, attempt, exc))
+        else:
+            outcome = await self.blocking(lambda: self._succeeded(attempt))
+        self._count(report, lock, outcome)
+
+    @staticmethod
+    def _retrying(attempt: Attempt) -> bool:
+        """An entity whose last attempt failed retries: its first upstream call draws on the retry budget."""
+        return attempt.item.stage is not None and attempt.replay_of is None
+
+    def _clear_checkpoints(self, item: WorkItem) -> None:
+        with self.engine.begin() as conn:
+            checkpoints.clear(conn, self.pipeline, item.entity_ref)
+
+    def _failed(self, attempt: Attempt, exc: Exception) -> str:
+        """Settle a failed attempt under its stage's policy; the outcome's name."""
+        item = attempt.item
+        stage, cause = (exc.stage, exc.cause) if isinstance(exc, StageError) else \
+            (attempt.current_stage or item.stage or next(iter(self.policies)), exc)
+        seconds = exc.seconds if isinstance(exc, StageError) else None
+        try:
+            if isinstance(cause, upstreams.RetryDeferred):
+                return self._patiently(lambda: self._defer_retry(attempt, stage, cause))
+            return self._patiently(lambda: self._settle_failure(attempt, stage, cause, seconds))
+        except LeaseLost:
+            return "lease_lost"
+        except Exception as settle_exc:  # noqa: BLE001 - the row's lease expires and it is worked again
+            log.error("drain %s: could not settle %s: %s", self.pipeline, item.entity_ref,
+                      sanitize_text(str(settle_exc))[:300])
+            return "unsettled"
+
+    def _succeeded(self, attempt: Attempt) -> str:
+        try:
+            # what finished is written, waiting out an outage; the epoch decides whether it still counts
+            return self._patiently(lambda: self._settle_success(attempt))
+        except LeaseLost:
+            return "lease_lost"
+        except Exception as settle_exc:  # noqa: BLE001
+            log.error("drain %s: could not complete %s: %s", self.pipeline, attempt.entity_ref,
+                      sanitize_text(str(settle_exc))[:300])
+            return "unsettled"
+
+    @staticmethod
+    def _count(report: DrainReport, lock: threading.Lock, outcome: str) -> None:
         with lock:
-            if outcome == "done":
-                report.done += 1
-            elif outcome == "retried":
-                report.retried += 1
-            elif outcome == "dead_lettered":
-                report.dead_lettered += 1
-            elif outcome == "lease_lost":
-                report.lease_lost += 1
-            elif outcome == "deferred":
-                report.deferred += 1
+            if outcome in ("done", "retried", "dead_lettered", "lease_lost", "deferred"):
+                setattr(report, outcome, getattr(report, outcome) + 1)
             else:
                 report.errors[outcome] = report.errors.get(outcome, 0) + 1
 

@@ -33,7 +33,7 @@ DRAIN_RETRY_POLICY = dg.RetryPolicy(max_retries=3, delay=2.0, backoff=dg.Backoff
 class DrainConfig(dg.Config):
     """Bounds of one drain run; the defaults suit the 2-core reference machine."""
 
-    concurrency: int | None = None  # entities in flight at once (threads); None: REDRIVE_DRAIN_IN_FLIGHT (8)
+    concurrency: int | None = None  # entities in flight at once; None: REDRIVE_DRAIN_IN_FLIGHT, else the pipeline's
     batch_size: int = 50  # rows leased per claim statement
     max_seconds: float = 600.0  # the run ends after this; the sensor starts the next round
     linger_seconds: float = 5.0  # wait this long for work falling due before ending
@@ -42,9 +42,10 @@ class DrainConfig(dg.Config):
 
 def run_drain(context: dg.OpExecutionContext, runtime: Reliability, pipeline: str,
               policies: Mapping[str, StagePolicy], handle: Handler, config: DrainConfig, *,
-              group_key: str | None = None) -> dg.Output:
-    """Drain `pipeline`'s due work (of one group, e.g. a file job) and report the counts."""
-    in_flight = config.concurrency or cached_settings().drain_in_flight(pipeline)
+              group_key: str | None = None, in_flight: int = 8) -> dg.Output:
+    """Drain `pipeline`'s due work (of one group, e.g. a file job) and report the counts; `in_flight` is the
+    pipeline's own default of entities at once (a coroutine handler's can be hundreds)."""
+    in_flight = config.concurrency or cached_settings().drain_in_flight(pipeline, in_flight)
     drain = Drain(reliability=runtime, pipeline=pipeline, policies=policies, owner=f"run:{context.run_id}",
                   concurrency=in_flight, batch_size=config.batch_size, max_seconds=config.max_seconds,
                   linger_seconds=config.linger_seconds, max_items=config.max_items, run_id=context.run_id)

@@ -134,14 +134,14 @@ class Settings(BaseSettings):
     # --- drain runs per pipeline (issue 26 §2): JSON maps by pipeline name, e.g.
     # REDRIVE_DRAIN_IN_FLIGHT='{"criticizer": 64}' REDRIVE_DRAIN_RUNS='{"criticizer": 2}'
     redrive_drain_in_flight: dict[str, int] = Field(
-        default_factory=dict, description="Entities one drain run works at once, per pipeline (default 8); "
+        default_factory=dict, description="Entities one drain run works at once, per pipeline (default: the criticizer 64, others 8); "
         "a run config's `concurrency` wins.")
     redrive_drain_runs: dict[str, int] = Field(
         default_factory=dict, description="Drain runs of one pipeline at once, per pipeline (default 1); they "
         "share the queue (SKIP LOCKED, fenced leases). The run queue caps any pipeline at 8.")
 
-    def drain_in_flight(self, pipeline: str) -> int:
-        return max(1, self.redrive_drain_in_flight.get(pipeline, 8))
+    def drain_in_flight(self, pipeline: str, default: int = 8) -> int:
+        return max(1, self.redrive_drain_in_flight.get(pipeline, default))
 
     def drain_runs(self, pipeline: str) -> int:
         return max(1, self.redrive_drain_runs.get(pipeline, 1))

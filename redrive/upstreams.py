@@ -23,12 +23,13 @@ release is a second, one-row UPDATE. An entity waiting for a slot only waits: it
 The decision formulas are written once, in that function; :func:`retry_allowance` states the budget's
 formula for documentation and tests.
 
-Resources call :func:`guarded` ("llm", fn): with no :class:`Upstreams` installed in the process, or
+Resources call :func:`guarded` ("llm", fn), or :func:`aguarded` from a coroutine: with no :class:`Upstreams` installed in the process, or
 none configured for that name, the call goes straight through (tests, commands).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import functools
@@ -37,10 +38,10 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import sqlalchemy as sa
@@ -57,6 +58,7 @@ __all__ = [
     "RetryDeferred",
     "UpstreamLimits",
     "Upstreams",
+    "aguarded",
     "guarded",
     "install",
     "installed",
@@ -338,6 +340,7 @@ class Upstreams:
     limits: Mapping[str, UpstreamLimits]
     clock: Clock = field(default_factory=SystemClock)
     sleep: Callable[[float], None] = time.sleep
+    asleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # a coroutine's wait (tests inject both)
     on_exhausted: Callable[[str], None] | None = None
     poll_seconds: float = 0.05  # a full upstream is asked again this often (slots free at unknown times)
     _configured: bool = False
@@ -382,53 +385,114 @@ class Upstreams:
         while True:
             grant = self.acquire(name, limits)
             try:
-                result = fn()
-            except Exception as exc:
-                asked = _throttled(exc)
-                if asked is None or not self._wait_out(name, limits, asked, throttled):
-                    raise
-            else:
-                asked = _throttled(result)
-                if asked is None and grant.retry and _answered_well(result):
-                    self._retry_answered(grant)
-                if asked is None or not self._wait_out(name, limits, asked, throttled):
-                    return result
+                try:
+                    result = fn()
+                except Exception as exc:
+                    if not self._answered(grant, limits, exc, throttled):
+                        raise
+                else:
+                    if not self._answered(grant, limits, result, throttled):
+                        return result
             finally:
                 self._release(grant)
             throttled += 1
 
+    async def acall(self, name: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """`call` for a coroutine: the wait for a slot, a grant or a pause is an `asyncio.sleep` and the call an
+        await, so an entity waiting on the upstream holds no thread; the database round trips take one
+        briefly (`asyncio.to_thread`)."""
+        limits = self.limited(name)
+        if limits is None:
+            return await fn()
+        throttled = 0
+        while True:
+            grant = await self.aacquire(name, limits)
+            try:
+                try:
+                    result = await fn()
+                except Exception as exc:
+                    if not await asyncio.to_thread(self._answered, grant, limits, exc, throttled):
+                        raise
+                else:
+                    if not await asyncio.to_thread(self._answered, grant, limits, result, throttled):
+                        return result
+            finally:
+                await asyncio.to_thread(self._release, grant)
+            throttled += 1
+
+    def _answered(self, grant: Grant, limits: UpstreamLimits, outcome: object, throttled: int) -> bool:
+        """After one call (its result or its exception): True to send it again once a 429's pause is waited out;
+        a retry answered well gives its budget share back."""
+        asked = _throttled(outcome)
+        if asked is None:
+            if grant.retry and not isinstance(outcome, BaseException) and _answered_well(outcome):
+                self._retry_answered(grant)
+            return False
+        return self._wait_out(grant.upstream, limits, asked, throttled)
+
     def acquire(self, name: str, limits: UpstreamLimits) -> Grant:
         """Wait (spending no attempt) until `name` grants a slot and a rate token; one round trip a try."""
         self.configure()
-        holder = uuid.uuid4().hex
-        retry = _RETRYING.get()
+        holder, retry = uuid.uuid4().hex, _RETRYING.get()
         waited, polls = False, 0
         try:
             while True:
-                row = _once_more_if_dropped(lambda conn: conn.execute(_ACQUIRE, {
-                    "name": name, "holder": holder, "now": self._now(), "lease": limits.lease_seconds,
-                    "retry": retry, "waited": waited}).one(), self._autocommit)
-                if row.slot is not None:
-                    if retry:
-                        _RETRYING.set(False)  # the entity's next calls are not retries
-                    return Grant(name, row.slot, holder, retry=retry and limits.retry_share is not None)
-                if row.reason == "retry_budget":
-                    if row.new_episode and self.on_exhausted is not None:
-                        try:
-                            self.on_exhausted(name)
-                        except Exception:  # noqa: BLE001 - the alert sensor retries pending deliveries
-                            log.warning("upstream %s: retry-budget alert could not be written", name)
-                    raise RetryDeferred(name, float(row.wait))
-                if not waited:
-                    waited = True
-                    with self._lock:
-                        self.waiting[name] = self.waiting.get(name, 0) + 1
-                polls += 1
+                row = self._ask(name, limits, holder, retry, waited)
+                if (grant := self._granted(name, limits, row, holder, retry)) is not None:
+                    return grant
+                waited, polls = self._waiting(name, waited), polls + 1
                 self.sleep(wait_before_asking_again(float(row.wait), polls, self.poll_seconds, self._jitter.random()))
         finally:
-            if waited:
-                with self._lock:
-                    self.waiting[name] -= 1
+            self._done_waiting(name, waited)
+
+    async def aacquire(self, name: str, limits: UpstreamLimits) -> Grant:
+        """`acquire` for a coroutine: it waits in `asyncio.sleep`, not on a thread."""
+        await asyncio.to_thread(self.configure)
+        holder, retry = uuid.uuid4().hex, _RETRYING.get()
+        waited, polls = False, 0
+        try:
+            while True:
+                row = await asyncio.to_thread(self._ask, name, limits, holder, retry, waited)
+                if (grant := self._granted(name, limits, row, holder, retry)) is not None:
+                    return grant
+                waited, polls = self._waiting(name, waited), polls + 1
+                await self.asleep(wait_before_asking_again(float(row.wait), polls, self.poll_seconds,
+                                                             self._jitter.random()))
+        finally:
+            self._done_waiting(name, waited)
+
+    def _ask(self, name: str, limits: UpstreamLimits, holder: str, retry: bool, waited: bool) -> Any:
+        """One round trip to the acquire function: a slot, or how long to wait and why."""
+        return _once_more_if_dropped(lambda conn: conn.execute(_ACQUIRE, {
+            "name": name, "holder": holder, "now": self._now(), "lease": limits.lease_seconds,
+            "retry": retry, "waited": waited}).one(), self._autocommit)
+
+    def _granted(self, name: str, limits: UpstreamLimits, row: Any, holder: str, retry: bool) -> Grant | None:
+        """The grant the row gives, or None to wait and ask again; raises RetryDeferred over the budget (and the
+        first denial of an episode writes the one alert)."""
+        if row.slot is not None:
+            if retry:
+                _RETRYING.set(False)  # the entity's next calls are not retries
+            return Grant(name, row.slot, holder, retry=retry and limits.retry_share is not None)
+        if row.reason == "retry_budget":
+            if row.new_episode and self.on_exhausted is not None:
+                try:
+                    self.on_exhausted(name)
+                except Exception:  # noqa: BLE001 - the alert sensor retries pending deliveries
+                    log.warning("upstream %s: retry-budget alert could not be written", name)
+            raise RetryDeferred(name, float(row.wait))
+        return None
+
+    def _waiting(self, name: str, waited: bool) -> bool:
+        if not waited:
+            with self._lock:
+                self.waiting[name] = self.waiting.get(name, 0) + 1
+        return True
+
+    def _done_waiting(self, name: str, waited: bool) -> None:
+        if waited:
+            with self._lock:
+                self.waiting[name] -= 1
 
     def _release(self, grant: Grant) -> None:
         if grant.slot <= 0:
@@ -531,3 +595,11 @@ def guarded(name: str, fn: Callable[[], T]) -> T:
     if upstreams is None:
         return fn()
     return upstreams.call(name, fn)
+
+
+async def aguarded(name: str, fn: Callable[[], Awaitable[T]]) -> T:
+    """`await fn()` within `name`'s limits when this process has them (a coroutine handler's calls)."""
+    upstreams = _INSTALLED
+    if upstreams is None:
+        return await fn()
+    return await upstreams.acall(name, fn)

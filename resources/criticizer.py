@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import httpx
 from dagster import ConfigurableResource
 from pydantic import Field
 
 from redrive.clock import SystemClock
 from redrive.failures import Code, Failure, classify_http, raise_failure
-from redrive.upstreams import guarded
-from resources.http import shared_client
+from redrive.upstreams import aguarded, guarded
+from resources.http import shared_async_client, shared_client
 from resources.notify import SlackWebhookChannel
 
 
@@ -32,33 +33,75 @@ class CriticizerHttpResource(ConfigurableResource):
 
     def fetch_artifact(self, url: str) -> bytes:
         """GET the artifact, refusing URLs outside the allowed stores (002 §8.1 explicit deny policy)."""
+        self._allowed(url)
+        return guarded("artifact_store", lambda: self._fetch(url))
+
+    async def afetch_artifact(self, url: str) -> bytes:
+        """`fetch_artifact` awaited (a coroutine handler's)."""
+        self._allowed(url)
+        return await aguarded("artifact_store", lambda: self._afetch(url))
+
+    def _allowed(self, url: str) -> None:
         if self.artifact_url_prefixes and not any(url.startswith(p) for p in self.artifact_url_prefixes):
             raise_failure(Failure.of(Code.POLICY_REJECTED, message="artifact URL is outside the allowed stores",
                                      retryable=False))
-        return guarded("artifact_store", lambda: self._fetch(url))
 
     def _fetch(self, url: str) -> bytes:
         with shared_client().stream("GET", url, timeout=self.timeout_seconds) as response:
             if response.is_error:
                 response.read()  # the classifier reads provider error codes and Retry-After from it
                 response.raise_for_status()
-            chunks, size = [], 0
+            body = _Capped(self.max_artifact_bytes)
             for chunk in response.iter_bytes():
-                size += len(chunk)
-                if size > self.max_artifact_bytes:
-                    raise_failure(Failure.of(Code.DATA_ERROR, retryable=False,
-                                             message=f"artifact is larger than {self.max_artifact_bytes} bytes"))
-                chunks.append(chunk)
-        return b"".join(chunks)
+                body.add(chunk)
+        return body.bytes()
+
+    async def _afetch(self, url: str) -> bytes:
+        async with shared_async_client().stream("GET", url, timeout=self.timeout_seconds) as response:
+            if response.is_error:
+                await response.aread()
+                response.raise_for_status()
+            body = _Capped(self.max_artifact_bytes)
+            async for chunk in response.aiter_bytes():
+                body.add(chunk)
+        return body.bytes()
 
     def post_webhook(self, url: str, payload: Mapping[str, Any], headers: Mapping[str, str]) -> int:
         """POST the critique; returns the status, raises a classified failure on a non-2xx answer."""
         response = guarded("webhooks", lambda: shared_client().post(url, json=dict(payload), headers=dict(headers),
                                                                     timeout=self.timeout_seconds))
-        if response.is_error:
-            raise_failure(classify_http(response.status_code, response.content, response.headers, SystemClock().now()))
-        return response.status_code
+        return _delivered(response)
+
+    async def apost_webhook(self, url: str, payload: Mapping[str, Any], headers: Mapping[str, str]) -> int:
+        """`post_webhook` awaited."""
+        response = await aguarded("webhooks", lambda: shared_async_client().post(
+            url, json=dict(payload), headers=dict(headers), timeout=self.timeout_seconds))
+        return _delivered(response)
 
     def results_channel(self) -> SlackWebhookChannel | None:
         """A Slack webhook of the criticizer's own for results, when configured (else the core's Slack channel)."""
         return SlackWebhookChannel(self.results_slack_webhook_url) if self.results_slack_webhook_url else None
+
+
+class _Capped:
+    """An artifact's bytes as they stream in; more than the cap is a permanent data error."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.size, self.chunks = cap, 0, []
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size > self.cap:
+            raise_failure(Failure.of(Code.DATA_ERROR, retryable=False,
+                                     message=f"artifact is larger than {self.cap} bytes"))
+        self.chunks.append(chunk)
+
+    def bytes(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+def _delivered(response: httpx.Response) -> int:
+    """The webhook's status; a non-2xx answer raises classified, without the httpx error (its URL is a secret)."""
+    if response.is_error:
+        raise_failure(classify_http(response.status_code, response.content, response.headers, SystemClock().now()))
+    return response.status_code

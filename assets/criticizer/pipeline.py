@@ -34,8 +34,13 @@ from redrive.reliability import Reliability
 from redrive.stages import StagePolicy, sanitized_body
 from redrive.vocabularies import CRITICIZER
 from resources.criticizer import CriticizerHttpResource
+from resources import notify
 from resources.llm import LlmResource
 from resources.reliability import ReliabilityResource
+
+# entities one drain run keeps in flight unless REDRIVE_DRAIN_IN_FLIGHT says: a coroutine handler's wait on the
+# LLM holds no thread, so this is sized to a provider's concurrency, not to this machine's threads
+IN_FLIGHT = 64
 
 POLICIES = {
     stage: StagePolicy(max_attempts=policy.MAX_ATTEMPTS_PER_STAGE, backoff=policy.BACKOFF,
@@ -45,13 +50,13 @@ POLICIES = {
 
 
 def handler(runtime: Reliability, criticizer_http: CriticizerHttpResource, llm: LlmResource) -> Handler:
-    """One request's fetch → llm → notify; the drain settles what a stage raises."""
+    """One request's fetch → llm → notify; the drain settles what a stage raises. A coroutine: the seconds an
+    LLM takes hold no thread, so one drain run keeps as many requests in flight as the LLM allows."""
     slack = criticizer_http.results_channel() or runtime.channels.get("slack")
 
-    def handle(attempt: Attempt) -> None:
+    async def handle(attempt: Attempt) -> None:
         request_id = attempt.entity_ref
-        with runtime.engine.begin() as conn:
-            request = repository.start(conn, request_id, runtime.now())
+        request = await attempt.blocking(lambda: _start(runtime, request_id))
         if request.status == repository.DONE:
             return  # a duplicate due row of finished work: nothing to do
         attempt.tenant = request.tenant
@@ -59,32 +64,39 @@ def handler(runtime: Reliability, criticizer_http: CriticizerHttpResource, llm: 
         attempt.context.update(_triage(request, completed={}, failing_since=request.failing_since))
         attempt.on_failure.append(lambda conn, failure, final: _note_failure(conn, runtime, attempt, request, final))
 
-        fetched = attempt.stage("fetch", lambda: policy.fetched(criticizer_http.fetch_artifact(request.artifact_url)))
+        async def fetch() -> dict[str, Any]:
+            return policy.fetched(await criticizer_http.afetch_artifact(request.artifact_url))
+
+        fetched = await attempt.astage("fetch", fetch)
         messages = policy.critique_messages(request.rubric, request.artifact_url, fetched["text"])
-        critiqued = attempt.stage("llm", lambda: policy.critiqued(llm.chat_json(messages, policy.Critique), messages))
+
+        async def critique_it() -> dict[str, Any]:
+            return policy.critiqued(await llm.achat_json(messages, policy.Critique), messages)
+
+        critiqued = await attempt.astage("llm", critique_it)
         critique, sha = critiqued["critique"], critiqued["critique_sha256"]
         key = policy.idempotency_key(request.request_id, sha)
 
-        def deliver() -> dict[str, Any]:
-            with runtime.engine.connect() as conn:
-                done = repository.delivered(conn, request.request_id, key)
+        def record(channel: str, status: int | None) -> None:
+            with runtime.engine.begin() as conn:
+                repository.record_delivery(conn, request.request_id, channel, key, status, runtime.now())
+
+        async def deliver() -> dict[str, Any]:
+            done = await attempt.blocking(lambda: _delivered(runtime, request.request_id, key))
             if repository.WEBHOOK not in done:
-                status = criticizer_http.post_webhook(
+                status = await criticizer_http.apost_webhook(
                     request.webhook_url,
                     policy.webhook_payload(request.request_id, request.artifact_url, critique, sha),
                     {**request.delivery_headers(), "Idempotency-Key": key},
                 )
-                with runtime.engine.begin() as conn:
-                    repository.record_delivery(conn, request.request_id, repository.WEBHOOK, key, status,
-                                               runtime.now())
+                await attempt.blocking(lambda: record(repository.WEBHOOK, status))
             if slack is not None and repository.SLACK not in done:
                 subject, text = policy.slack_message(request.request_id, critique)
-                slack.send(subject, text, key)
-                with runtime.engine.begin() as conn:
-                    repository.record_delivery(conn, request.request_id, repository.SLACK, key, None, runtime.now())
+                await notify.asend(slack, subject, text, key)
+                await attempt.blocking(lambda: record(repository.SLACK, None))
             return {"idempotency_key": key, "slack": slack is not None}
 
-        attempt.stage("notify", deliver)
+        await attempt.astage("notify", deliver)
 
         def complete(conn: sa.Connection) -> None:
             repository.record_stage_attempts(conn, request.request_id, attempt.stage_attempts())
@@ -93,6 +105,16 @@ def handler(runtime: Reliability, criticizer_http: CriticizerHttpResource, llm: 
         attempt.on_success.append(complete)
 
     return handle
+
+
+def _start(runtime: Reliability, request_id: str) -> repository.CritiqueRequestRow:
+    with runtime.engine.begin() as conn:
+        return repository.start(conn, request_id, runtime.now())
+
+
+def _delivered(runtime: Reliability, request_id: str, key: str) -> set[str]:
+    with runtime.engine.connect() as conn:
+        return repository.delivered(conn, request_id, key)
 
 
 def _triage(request: repository.CritiqueRequestRow, *, completed: dict[str, Any], failing_since: Any) -> dict[str, Any]:
@@ -122,7 +144,8 @@ def drain_op(context: dg.OpExecutionContext, config: DrainConfig, reliability: R
              criticizer_http: CriticizerHttpResource, llm: LlmResource):
     """Work every due critique request: fetch the artifact, ask the LLM for a critique, deliver it."""
     runtime = reliability.runtime()
-    return run_drain(context, runtime, PIPELINE, POLICIES, handler(runtime, criticizer_http, llm), config)
+    return run_drain(context, runtime, PIPELINE, POLICIES, handler(runtime, criticizer_http, llm), config,
+                     in_flight=IN_FLIGHT)
 
 
 criticizer_job = drain_job(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+
+import asyncio
 
 import httpx
 import pytest
@@ -293,3 +295,56 @@ def test_metrics_show_slots_in_use_and_waiting_per_upstream(engine: sa.Engine) -
     assert samples[("redrive_upstream_slots_in_use", "llm")] == 1
     assert samples[("redrive_upstream_slots_limit", "llm")] == 1
     assert samples[("redrive_upstream_waiting", "llm")] == 1
+
+
+def test_coroutines_share_the_slots_and_never_exceed_them(engine: sa.Engine, sandbox) -> None:  # type: ignore[no-untyped-def]
+    """24 coroutines at once through `acall` against 4 slots and a provider capped at 4 concurrent: all answered,
+    none refused, the provider never saw a fifth at once."""
+    sandbox.set_profile("llm", latency=0.2, max_concurrent=4, retry_after=1)
+    limits = Upstreams(engine, {"llm": UpstreamLimits(max_concurrent=4, lease_seconds=30)})
+
+    async def all_at_once() -> list[int]:
+        async with httpx.AsyncClient() as client:
+            async def chat() -> int:
+                answer = await client.post(sandbox.url("/llm/v1/chat/completions"),
+                                           headers={"Authorization": "Bearer k"},
+                                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+                answer.raise_for_status()
+                return answer.status_code
+
+            return await asyncio.gather(*(limits.acall("llm", chat) for _ in range(24)))
+
+    assert asyncio.run(all_at_once()) == [200] * 24
+    meter = sandbox.meters("llm")
+    assert (meter["admitted"], meter["limited"], meter["peak_concurrency"]) == (24, 0, 4)
+
+
+def test_a_429_to_one_coroutine_pauses_the_others_too(engine: sa.Engine, sandbox) -> None:  # type: ignore[no-untyped-def]
+    """A coroutine's 429 with Retry-After 7 pauses the upstream: a second coroutine of another limiter waits
+    those 7 s before it sends, and the first sends again after its pause instead of failing."""
+    sandbox.script("llm", {"status": 429, "headers": {"Retry-After": "7"}})
+    waits: dict[str, list[float]] = {"one": [], "other": []}
+
+    def limiter_at(name: str, clock: FrozenClock) -> Upstreams:
+        async def asleep(seconds: float) -> None:
+            waits[name].append(seconds)
+            clock.advance(seconds)
+            await asyncio.sleep(0)
+
+        return Upstreams(engine, {"llm": UpstreamLimits(max_concurrent=4)}, clock=clock, asleep=asleep)
+
+    async def chat() -> int:
+        async with httpx.AsyncClient() as client:
+            answer = await client.post(sandbox.url("/llm/v1/chat/completions"), headers={"Authorization": "Bearer k"},
+                                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+            answer.raise_for_status()
+            return answer.status_code
+
+    assert asyncio.run(limiter_at("one", FrozenClock(START)).acall("llm", chat)) == 200  # waited out, answered
+    assert sum(waits["one"]) >= 7.0
+    with engine.connect() as conn:
+        assert up.states(conn, START)[0].pauses == 1
+    # another worker, one second into the pause: it holds off for the rest before sending
+    assert asyncio.run(limiter_at("other", FrozenClock(START + timedelta(seconds=1))).acall("llm", chat)) == 200
+    assert sum(waits["other"]) >= 6.0
+    assert [r["status"] for r in sandbox.requests("llm")] == [429, 200, 200]

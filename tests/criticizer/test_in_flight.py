@@ -1,0 +1,41 @@
+"""Issue 26 §2: an entity waiting on the LLM holds no OS thread, so one drain run keeps many in flight."""
+
+from __future__ import annotations
+
+import threading
+
+import psutil
+
+from assets.criticizer import api
+from tests.criticizer.conftest import webhook_posts
+
+N = 60
+
+
+def test_one_run_keeps_sixty_requests_waiting_on_the_llm_at_once_on_a_few_threads(run, submit, engine,
+                                                                                  sandbox) -> None:
+    """60 requests against an LLM that takes 3 s: the sandbox sees all 60 waiting at once, while the run's
+    process gains no thread per request (the threaded engine added one per entity in flight: 60)."""
+    for i in range(N):
+        submit(f"wide-{i}")
+    sandbox.set_profile("llm", latency=3.0)  # long enough for all 60 to get there, on a loaded machine too
+    me = psutil.Process()
+    before, peak, stop = me.num_threads(), [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.05):
+            peak[0] = max(peak[0], me.num_threads())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        result = run("wide-0", config={"ops": {"criticizer_drain": {"config": {
+            "concurrency": N, "batch_size": N, "linger_seconds": 0.0}}}})
+    finally:
+        stop.set()
+        watcher.join(5)
+    assert result.success
+    assert {api.status(engine, f"wide-{i}").status for i in range(N)} == {"done"}
+    assert all(len(webhook_posts(sandbox, f"wide-{i}")) == 1 for i in range(N))
+    assert sandbox.meters("llm")["peak_concurrency"] >= N * 0.9  # all of them waited on the LLM together
+    assert peak[0] - before <= 20, (before, peak[0])  # the I/O threads, the heartbeat, Dagster's own: not 60
