@@ -23,6 +23,7 @@ thread of its own per entity in flight, as before.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import functools
 import inspect
@@ -255,6 +256,14 @@ class Drain:
         coroutine = inspect.iscoroutinefunction(handle)
         threads = None if coroutine else ThreadPoolExecutor(max_workers=self.concurrency,
                                                             thread_name_prefix=f"drain-{self.pipeline}")
+        finished: collections.deque[asyncio.Future[None]] = collections.deque()
+        arrived = asyncio.Event()
+
+        def on_finished(task: asyncio.Future[None]) -> None:
+            finished.append(task)
+            arrived.set()
+
+        refill, claimed_at = max(1, min(self.concurrency // 2, 8)), 0.0
         stop_heartbeat = threading.Event()
         heartbeat = threading.Thread(target=self._heartbeat, args=(inflight, lock, stop_heartbeat), daemon=True)
         heartbeat.start()
@@ -264,13 +273,17 @@ class Drain:
                 out_of_time = time.monotonic() - started > self.max_seconds or liveness.fenced(self.run_id)
                 full = self.max_items is not None and report.claimed >= self.max_items
                 free = self.concurrency - len(inflight)
-                if not out_of_time and not full and (not inflight or free * 2 >= self.concurrency):
+                # refill once `refill` are free (a claim statement for several rows while entities finish fast), or
+                # any free slot when the last claim is 0.1 s old (a slow upstream's slots are not left idle)
+                if not out_of_time and not full and free > 0 and \
+                        (not inflight or free >= refill or time.monotonic() - claimed_at >= 0.1):
                     limit = min(free, self.batch_size)
                     if self.max_items is not None:
                         limit = min(limit, self.max_items - report.claimed)
                     with lock:
                         held = list(inflight.values())
                     claimed = await self.blocking(lambda: self._patiently(lambda: self._claim(limit, group_key, held)))
+                    claimed_at = time.monotonic()
                     if claimed:
                         report.batches += 1
                         report.claimed += len(claimed)
@@ -280,9 +293,16 @@ class Drain:
                                 task = asyncio.ensure_future(self._awork_one(handle, item, report, lock))  # type: ignore[arg-type]
                             else:
                                 task = loop.run_in_executor(threads, self._work_one, handle, item, report, lock)
+                            task.add_done_callback(on_finished)
                             inflight[task] = item
                 if inflight:
-                    done, _ = await asyncio.wait(list(inflight), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                    if not finished:  # woken once per finished entity, not by a wait on every task in flight
+                        try:
+                            await asyncio.wait_for(arrived.wait(), timeout=1.0)
+                        except TimeoutError:
+                            continue
+                    arrived.clear()
+                    done = [finished.popleft() for _ in range(len(finished))]
                     with lock:
                         for task in done:
                             self._lease_ends.pop(inflight.pop(task).id, None)

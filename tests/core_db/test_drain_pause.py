@@ -3,9 +3,11 @@ entities finished (the epoch decides) and never takes back its own in-flight wor
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from datetime import UTC, datetime
 
+import pytest
 import sqlalchemy as sa
 
 from devstack.postgres import with_database
@@ -54,20 +56,38 @@ def _held_until(release: threading.Event, started: threading.Semaphore, calls: l
     return handle
 
 
+def _held_as_tasks(release: threading.Event, started: threading.Semaphore, calls: list[str]):  # type: ignore[no-untyped-def]
+    """The same as coroutines: each entity a task of the run's loop (the engine's other kind of handler)."""
+
+    async def handle(attempt: Attempt) -> None:
+        calls.append(attempt.entity_ref)
+        started.release()
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+
+        async def send() -> dict[str, bool]:
+            return {"sent": True}
+
+        await attempt.astage("send", send)
+
+    return handle
+
+
 def _rows(engine: sa.Engine) -> dict[str, tuple[str, dict[str, int]]]:
     with engine.connect() as conn:
         rows = conn.execute(sa.select(work_items.c.entity_ref, work_items.c.status, work_items.c.attempts)).all()
     return {r.entity_ref: (r.status, dict(r.attempts)) for r in rows}
 
 
-def test_a_run_paused_past_its_leases_does_not_reclaim_its_own_work(engine: sa.Engine) -> None:
+@pytest.mark.parametrize("held", [_held_until, _held_as_tasks], ids=["threads", "coroutines"])
+def test_a_run_paused_past_its_leases_does_not_reclaim_its_own_work(engine: sa.Engine, held) -> None:  # type: ignore[no-untyped-def]
     """4 entities in flight; the clock jumps 2 leases ahead (a paused process); the run's next claim leaves
     its own rows alone, so each entity is worked once and ends done with no lost lease."""
     clock = FrozenClock(START)
     drain = _setup(engine, clock, 4)
     release, started = threading.Event(), threading.Semaphore(0)
     calls: list[str] = []
-    handle = _held_until(release, started, calls)
+    handle = held(release, started, calls)
 
     result: list = []
     runner = threading.Thread(target=lambda: result.append(drain.run(handle)))
@@ -85,8 +105,9 @@ def test_a_run_paused_past_its_leases_does_not_reclaim_its_own_work(engine: sa.E
     assert {status for status, _ in _rows(engine).values()} == {"done"}
 
 
+@pytest.mark.parametrize("held", [_held_until, _held_as_tasks], ids=["threads", "coroutines"])
 def test_a_database_outage_longer_than_the_lease_records_every_finished_entity(engine: sa.Engine, db_url: str,
-                                                                               admin_url: str) -> None:
+                                                                               admin_url: str, held) -> None:  # type: ignore[no-untyped-def]
     """The database goes away while 3 entities are working and stays away past their leases: each one's
     success is written once it is back (no attempt spent, nothing failed, nothing worked twice)."""
     clock = FrozenClock(START)
@@ -94,7 +115,7 @@ def test_a_database_outage_longer_than_the_lease_records_every_finished_entity(e
     drain.outage_sleep = lambda s: threading.Event().wait(min(s, 0.05))
     release, started = threading.Event(), threading.Semaphore(0)
     calls: list[str] = []
-    handle = _held_until(release, started, calls)
+    handle = held(release, started, calls)
 
     name = db_url.rsplit("/", 1)[1].split("?")[0]
     admin = sa.create_engine(with_database(admin_url, "postgres"), isolation_level="AUTOCOMMIT")

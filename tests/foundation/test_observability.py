@@ -83,6 +83,7 @@ def deployed_instance() -> Iterator[dg.DagsterInstance]:
 
 
 @pytest.mark.timeout(1800)
+@pytest.mark.first_pass  # the log format and the series do not depend on the server: not in `make test-ci`
 def test_every_pipeline_logs_json_with_its_fields_and_the_endpoint_serves_its_series(
         json_logs, deployed_instance, scaled_settings, sandbox, db_url, capsys, tmp_path, monkeypatch) -> None:
     """Each pipeline's lines parse as JSON and name pipeline, entity, stage, attempt, error class and run id;
