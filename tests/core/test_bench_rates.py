@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from bench.upstreams import recovery_seconds, steady_rate
 
-T0 = datetime(2026, 11, 27)
+T0 = datetime(2026, 11, 27, tzinfo=UTC)
 
 
 def test_the_steady_rate_leaves_out_the_ramp_and_the_slow_tail() -> None:
