@@ -460,23 +460,25 @@ def _clone_runs(conn: sa.Connection, templates: dict[str, list[str]], day_start:
                              f"FROM new_runs n JOIN {table} r ON r.run_id = n.template"))
 
 
-def _tick_and_page_ms(instance, sensors, app_resources) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def _tick_and_page(instance, sensors, app_resources, pg: list[int]) -> dict[str, tuple[float, float]]:  # type: ignore[no-untyped-def]
+    """(median wall ms, CPU ms per call) of each sensor's tick and of the Runs page's queries; CPU counts this
+    process and the PostgreSQL server (on a shared machine the wall time is mostly the wait for a core)."""
     import dagster as dg
 
-    out: dict[str, float] = {}
+    out: dict[str, tuple[float, float]] = {}
     for sensor in sensors:
         def tick(sensor=sensor) -> None:
             with dg.build_sensor_context(instance=instance, resources=app_resources) as context:
                 sensor(context)
 
         tick()
-        out[f"tick {sensor.name}"] = median_ms(tick, 15)
+        out[f"tick {sensor.name}"] = cost(tick, 15, pg)
     tag = {"redrive/pipeline": "criticizer"}
-    out["Runs page (newest 25 + count)"] = median_ms(
-        lambda: (instance.get_run_records(limit=25), instance.get_runs_count()), 15)
-    out["Runs page, one pipeline"] = median_ms(
+    out["Runs page (newest 25 + count)"] = cost(
+        lambda: (instance.get_run_records(limit=25), instance.get_runs_count()), 15, pg)
+    out["Runs page, one pipeline"] = cost(
         lambda: (instance.get_run_records(dg.RunsFilter(tags=tag), limit=25),
-                 instance.get_runs_count(dg.RunsFilter(tags=tag))), 15)
+                 instance.get_runs_count(dg.RunsFilter(tags=tag))), 15, pg)
     return out
 
 
@@ -498,7 +500,8 @@ def runs_part(app_url: str, days: int = DAYS) -> bool:
             work.enqueue(conn, pipeline, f"tick-{pipeline}", now=START)
     print(f"\nDagster's run storage: {RUNS_PER_DAY} drain runs a day ({len(drain_jobs)} drain jobs, 1 % failed) "
           f"for {days} days, pruned as deployed (7 days; failed 30) beside never pruned; {len(sensors)} sensors")
-    samples: dict[int, dict[str, dict[str, float]]] = {}
+    samples: dict[int, dict[str, dict[str, tuple[float, float]]]] = {}
+    pg = postgres_pids(app_url)  # the same server holds the Dagster databases
     with tempfile.TemporaryDirectory() as pruned_home, tempfile.TemporaryDirectory() as kept_home, \
             scratch_database("redrive_bench_soak_dagster_pruned", heads=None) as pruned_url, \
             scratch_database("redrive_bench_soak_dagster_kept", heads=None) as kept_url:
@@ -521,30 +524,30 @@ def runs_part(app_url: str, days: int = DAYS) -> bool:
                     with engine.connect() as conn:
                         conn.execution_options(isolation_level="AUTOCOMMIT")
                         conn.execute(sa.text("VACUUM ANALYZE"))
-                samples[day] = {k: _tick_and_page_ms(i, sensors, resources) for k, i in instances.items()}
+                samples[day] = {k: _tick_and_page(i, sensors, resources, pg) for k, i in instances.items()}
                 counts = {k: i.get_runs_count() for k, i in instances.items()}
                 pruned, kept = samples[day]["pruned"], samples[day]["kept"]
-                ticks = [v for k, v in pruned.items() if k.startswith("tick")]
+                page = "Runs page (newest 25 + count)"
                 print(f"  day {day:>3}: runs kept {counts['pruned']:>7,} (never pruned: {counts['kept']:>7,}); "
-                      f"slowest sensor tick {max(ticks):6.2f} ms (never pruned "
-                      f"{max(v for k, v in kept.items() if k.startswith('tick')):6.2f}); Runs page "
-                      f"{pruned['Runs page (newest 25 + count)']:6.2f} ms (never pruned "
-                      f"{kept['Runs page (newest 25 + count)']:6.2f}); pruning {statistics.median(prune_s[-7:]):.2f} "
-                      f"s/day", flush=True)
+                      f"slowest sensor tick {max(v[0] for k, v in pruned.items() if k.startswith('tick')):6.2f} ms "
+                      f"(never pruned {max(v[0] for k, v in kept.items() if k.startswith('tick')):6.2f}); Runs page "
+                      f"{pruned[page][0]:6.2f} ms (never pruned {kept[page][0]:6.2f}); pruning "
+                      f"{statistics.median(prune_s[-7:]):.2f} s/day", flush=True)
         for instance in instances.values():
             instance.dispose()
         for engine in engines.values():
             engine.dispose()
     first, last = SAMPLES[0], [d for d in SAMPLES if d <= days][-1]
-    print(f"  per query at days {', '.join(str(d) for d in samples)} (ms, median of 15; pruned | never pruned):")
-    ok = True
-    for what in samples[first]["pruned"]:
-        row = " ".join(f"{samples[d]['pruned'][what]:7.2f}|{samples[d]['kept'][what]:<7.2f}" for d in samples)
-        fine = samples[last]["pruned"][what] <= 1.2 * samples[first]["pruned"][what] + 1.0
-        ok = ok and fine
-        print(f"    {what:<44} {row}  {'PASS' if fine else 'FAIL'}")
-    print(f"  verdict: every sensor tick and the Runs page at day {last} ≤ 1.2 × day {first} (+1 ms): "
-          f"{'PASS' if ok else 'FAIL'}")
+    for i, unit in ((0, "wall ms, median of 15"), (1, "CPU ms a call, this process and PostgreSQL")):
+        print(f"  per query at days {', '.join(str(d) for d in samples)} ({unit}; pruned | never pruned):")
+        for what in samples[first]["pruned"]:
+            print(f"    {what:<44} " + " ".join(f"{samples[d]['pruned'][what][i]:7.2f}|{samples[d]['kept'][what][i]:<7.2f}"
+                                             for d in samples))
+    grown = [what for what in samples[first]["pruned"]
+             if samples[last]["pruned"][what][1] > 1.2 * samples[first]["pruned"][what][1] + 1.0]
+    ok = not grown
+    print(f"  verdict: the CPU of every sensor tick and of the Runs page at day {last} ≤ 1.2 × day {first} (+1 ms): "
+          f"{'PASS' if ok else 'FAIL: ' + ', '.join(grown)}")
     return ok
 
 
