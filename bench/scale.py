@@ -33,6 +33,7 @@ from typing import Any
 import psutil
 import sqlalchemy as sa
 
+from bench._support import machine_cpu
 from bench._workload import (cpu_of, deployment, drop_evidence_zips, migrated_database, open_count,
                              postgres_pids, total_count, wait_drained)
 from devstack.sandbox import SandboxClient
@@ -188,6 +189,7 @@ class Outcome:
     open_left: int
     effects: int
     distinct_effects: int
+    machine_cpu_seconds: float | None = None  # every process on the machine (the sandbox too), when measured
 
     @property
     def per_second(self) -> float:
@@ -228,28 +230,31 @@ def run_direct(load: Load, settings: Settings, n: int, session: str, pg_pids: li
 
 
 def run_deployed(load: Load, settings: Settings, n: int, session: str, pg_pids: list[int],
-                 timeout: float) -> Outcome:
-    """The work as production does it: the daemon ticks the sensor, runs are queued, launched, drained."""
+                 timeout: float, *, upstreams: Callable[[SandboxClient], None] | None = None,
+                 env: dict[str, str] | None = None) -> Outcome:
+    """The work as production does it: the daemon ticks the sensor, runs are queued, launched, drained.
+    `upstreams` scripts the sandbox (default: this benchmark's transient faults); `env` adds settings."""
     import dagster as dg
 
     sandbox = SandboxClient(os.environ["SANDBOX_URL"])
     sandbox.reset()
-    _faults(sandbox, load.routes, seed=11)
+    (upstreams or (lambda box: _faults(box, load.routes, seed=11)))(sandbox)
     engine = engine_for(settings.database_url or "")
     home = settings.redrive_data_dir / "bench-scale" / session
-    with deployment(settings, home) as topology:
+    with deployment(settings, home, env=env) as topology:
         instance = dg.DagsterInstance.from_config(str(home))
         runs0 = instance.get_runs_count(dg.RunsFilter(job_name=load.job))
         pids = [p.proc.pid for p in topology.processes.values()]
-        cpu0, pg0 = cpu_of(pids), cpu_of(pg_pids)
+        cpu0, pg0, machine0 = cpu_of(pids), cpu_of(pg_pids), machine_cpu()
         started, before = time.perf_counter(), total_count(engine, load.pipeline)
         load.submit(engine, sandbox, session, n)
         left = wait_drained(engine, load.pipeline, before + n, timeout)
         seconds = time.perf_counter() - started
         cpu = cpu_of(pids) - cpu0 + cpu_of(pg_pids) - pg0
+        machine = machine_cpu() - machine0
         runs = instance.get_runs_count(dg.RunsFilter(job_name=load.job)) - runs0
     effects, distinct = load.effects(sandbox)
-    return Outcome(n, seconds, cpu, runs, left, effects, distinct)
+    return Outcome(n, seconds, cpu, runs, left, effects, distinct, machine)
 
 
 def main(n: int | None = None) -> int:

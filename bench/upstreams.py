@@ -2,7 +2,7 @@
 
     python -m bench upstreams                          # both parts
     BENCH_UPSTREAMS_ENTITIES=2000 python -m bench upstreams
-    python -m bench upstreams --part limiter           # or --part drain, --part outage
+    python -m bench upstreams --part limiter           # or in-flight, drain, scale-out, outage
 
 Part 1, the limiter's hot path (`redrive.upstreams`), per call, medians of rotated rounds in one thread:
 a call with no limits (no round trip), one bare `SELECT 1` transaction (the floor of any database round
@@ -21,6 +21,10 @@ Part 1b, in flight (`--part in-flight`): one drain process against a slow LLM (p
 entities in flight, a plain handler (a thread each) against a coroutine handler (a task each), interleaved:
 answers/s over the middle 60 % of the run against in-flight ÷ mean latency, and the process's peak threads,
 resident memory and CPU per entity.
+
+Part 2b, scale-out (`--part scale-out`): the same LLM latency with its limits raised out of the way, 1, 2 and 4
+drain processes at 8 entities in flight each (four fit this machine's cores) and at the criticizer's 64: answers/s
+against one process's, and how busy the machine's cores were, which names the cores when they ran out.
 
 Part 3, an outage (`outage_part`): the LLM answers 503 to everything for 60 s at full load; the retries sent
 stay within the retry budget, throughput comes back within 30 s, nothing is lost or called twice, one alert.
@@ -56,7 +60,7 @@ ENTITIES = int(os.environ.get("BENCH_UPSTREAMS_ENTITIES", "1000"))
 LLM_P50, LLM_P99, LLM_CONCURRENT, LLM_RATE = 1.0, 4.0, 64, 50
 # the limiter's own setting for the LLM: the provider's concurrency, its rate a few percent under (the
 # limiter counts grants, the provider arrivals; docs/operating.md "Upstream limits")
-RATE_SHARE = float(os.environ.get("BENCH_UPSTREAMS_RATE_SHARE", "0.9"))
+RATE_SHARE = float(os.environ.get("BENCH_UPSTREAMS_RATE_SHARE", "0.95"))
 LIMITS = UpstreamLimits(max_concurrent=LLM_CONCURRENT, rate_per_second=LLM_RATE * RATE_SHARE, lease_seconds=60)
 
 
@@ -231,22 +235,23 @@ def drain_part(processes: tuple[int, ...] = tuple(int(n) for n in os.environ.get
             with engine.connect() as conn:
                 done = conn.execute(sa.text("SELECT count(*) FROM work_items WHERE status = 'done'")).scalar_one()
         calls = sandbox.effects("llm.call")
-        stamps = sorted(e["at"] for e in calls)
-        span = (datetime.fromisoformat(stamps[-1]) - datetime.fromisoformat(stamps[0])).total_seconds()
-        rate = (len(calls) - 1) / span if span > 0 else float("nan")
+        stamps = sorted(datetime.fromisoformat(e["at"]) for e in calls)
+        span = (stamps[-1] - stamps[0]).total_seconds()
+        whole = (len(calls) - 1) / span if span > 0 else float("nan")
+        rate = steady_rate(stamps)  # the middle 60 %: the ramp-up and the slow tail's last answers left out
         meter = sandbox.meters("llm")
         reasons: dict[str, int] = {}
         for record in sandbox.requests("llm"):
             if record["step"].startswith("limited:"):
                 reasons[record["step"]] = reasons.get(record["step"], 0) + 1
         row = {"processes": n, "in_flight_per_process": per_process, "done": done, "llm_calls": len(calls),
-               "entities_per_s": rate, "ratio_to_allowed": rate / allowed, "peak_concurrency":
+               "entities_per_s": rate, "whole_run_per_s": whole, "ratio_to_allowed": rate / allowed, "peak_concurrency":
                meter["peak_concurrency"], "peak_rate": meter["peak_rate_per_second"],
                "refused_429": meter["limited"], "cpu_ms_per_entity": cpu / max(1, done) * 1000,
                "deferred": sum(r["deferred"] for r in reports), "lease_lost": sum(r["lease_lost"] for r in reports)}
         rows.append(row)
         print(f"  {n} process(es) × {per_process} in flight: {done}/{ENTITIES} done, {rate:5.1f} entities/s = "
-              f"{rate / allowed:4.2f} of allowed; sandbox peak {meter['peak_concurrency']} concurrent, "
+              f"{rate / allowed:4.2f} of allowed (whole run, ramp and tail included: {whole:5.1f}/s); sandbox peak {meter['peak_concurrency']} concurrent, "
               f"{meter['peak_rate_per_second']} in 1 s; refused {meter['limited']} {reasons or ''}; "
               f"machine CPU {row['cpu_ms_per_entity']:.1f} ms/entity", flush=True)
     print(f"  what caps it: the provider's rate ({LLM_RATE}/s; the limiter grants {LIMITS.rate_per_second:.0f}/s) — concurrency ÷ latency "
@@ -321,6 +326,298 @@ def in_flight_part(levels: tuple[int, ...] = IN_FLIGHT_LEVELS) -> list[dict[str,
                   f"{rate / ideal:4.2f} of {ideal:.1f}/s; LLM peak {row['peak_concurrency']} at once; process peak "
                   f"{threads} threads, {rss / 2**20:.0f} MB resident, {row['cpu_ms_per_entity']:.1f} ms CPU an entity",
                   flush=True)
+    return rows
+
+
+SCALE_OUT_LEVELS = tuple(int(n) for n in os.environ.get("BENCH_UPSTREAMS_SCALE_OUT_IN_FLIGHT", "8,64").split(","))
+SCALE_OUT_RUN = int(os.environ.get("BENCH_UPSTREAMS_SCALE_OUT_RUN", "30"))  # entities a process, × its in-flight level
+# the LLM's limits raised out of the way: the provider enforces none, the limiter holds these (its round trips stay)
+RAISED = UpstreamLimits(max_concurrent=10_000, rate_per_second=10_000, lease_seconds=60)
+CPU_RAN_OUT = 0.85  # share of the machine's cores busy at which the cores, not the engine, cap a run
+
+
+def scale_out(rates: dict[int, float], busy: dict[int, float], cores: int) -> dict[int, str]:
+    """Pure: per number of processes, its throughput against one process's, and what capped it: the machine's
+    cores when they were ≥ CPU_RAN_OUT busy, else nothing of this machine (the engine's own scaling)."""
+    one = rates.get(1) or float("nan")
+    return {n: f"{rate / one:4.2f}× one process; " + (
+        f"the machine's {cores} cores ran out ({busy[n]:.0%} busy)" if busy[n] >= CPU_RAN_OUT
+        else f"cores {busy[n]:.0%} busy") for n, rate in rates.items()}
+
+
+def scale_out_part(processes: tuple[int, ...] = (1, 2, 4), levels: tuple[int, ...] = SCALE_OUT_LEVELS
+                   ) -> list[dict[str, Any]]:
+    """1, 2 and 4 drain processes (coroutine handler, as the criticizer's) against the LLM at p50 1 s / p99 4 s
+    with its limits raised out of the way: answers/s over the middle 60 % against one process's, and how busy the
+    machine's cores were, at a level the machine holds four of and at the criticizer's default of 64."""
+    sandbox = SandboxClient(os.environ["SANDBOX_URL"], timeout=30)
+    ctx = mp.get_context("spawn")
+    cores = psutil.cpu_count() or 1
+    rows = []
+    print(f"\nscale-out: 1, 2, 4 drain processes, the LLM p50 {LLM_P50} s, p99 {LLM_P99} s with no provider limits "
+          f"(limiter at {RAISED.max_concurrent} slots, {RAISED.rate_per_second:.0f}/s); {SCALE_OUT_RUN} × in-flight "
+          "entities a process")
+    for level in levels:
+        rates, busy = {}, {}
+        for n in processes:
+            sandbox.reset()
+            sandbox.set_profile("llm", p50=LLM_P50, p99=LLM_P99, seed=26)
+            total = n * level * SCALE_OUT_RUN
+            with scratch_database(f"bench_upstreams_scale_{level}_{n}") as url:
+                engine = engine_for(url)
+                with engine.begin() as conn:
+                    work.enqueue_many(conn, "bench_upstreams", [(f"e-{i}", None) for i in range(total)],
+                                      now=SystemClock().now())
+                out = ctx.Queue()
+                procs = [ctx.Process(target=_drain_process, args=(url, sandbox.base_url, f"scale-{n}-{i}", level,
+                                                                  out, RAISED)) for i in range(n)]
+                cpu, started = machine_cpu(), time.perf_counter()
+                for p in procs:
+                    p.start()
+                reports = [out.get(timeout=1800) for _ in procs]
+                for p in procs:
+                    p.join(30)
+                wall, cpu = time.perf_counter() - started, machine_cpu() - cpu
+            answered = [datetime.fromisoformat(e["at"]) for e in sandbox.effects("llm.call")]
+            rates[n], busy[n] = steady_rate(answered), cpu / (wall * cores)
+            done = sum(r["done"] for r in reports)
+            rows.append({"in_flight_per_process": level, "processes": n, "entities": total, "done": done,
+                         "llm_calls": len(answered), "entities_per_s": rates[n], "cores_busy": busy[n],
+                         "cpu_ms_per_entity": cpu / max(1, done) * 1000,
+                         "peak_concurrency": sandbox.meters("llm")["peak_concurrency"]})
+            print(f"  {level:>3} in flight × {n} process(es): {done}/{total} done, {len(answered)} LLM calls, "
+                  f"{rates[n]:6.1f} entities/s, machine CPU {rows[-1]['cpu_ms_per_entity']:.1f} ms/entity, "
+                  f"cores {busy[n]:.0%} busy, LLM peak {rows[-1]['peak_concurrency']} at once", flush=True)
+        for n, verdict in scale_out(rates, busy, cores).items():
+            print(f"    {level} in flight, {n} process(es): {verdict}")
+            next(r for r in rows if r["in_flight_per_process"] == level and r["processes"] == n)["verdict"] = verdict
+    return rows
+
+
+DEPLOYED_ENTITIES = int(os.environ.get("BENCH_UPSTREAMS_DEPLOYED_ENTITIES", "10000"))
+DEPLOYED_PIPELINES = tuple(p for p in os.environ.get(
+    "BENCH_UPSTREAMS_DEPLOYED_PIPELINES", "criticizer,review_notifications,evidence").split(",") if p)
+# the issue's providers, by sandbox route: latency and the limits the provider enforces (429 + Retry-After beyond)
+PROVIDERS: dict[str, dict[str, Any]] = {
+    "llm": {"p50": LLM_P50, "p99": LLM_P99, "max_concurrent": LLM_CONCURRENT, "rate_per_second": LLM_RATE},
+    "store": {"latency": 0.05},
+    "mail.send": {"latency": 0.3, "rate_per_second": 20},
+    "mail.lookup": {"latency": 0.3, "rate_per_second": 20},
+    "case.attach": {"latency": 0.2, "max_concurrent": 32},
+    "case.lookup": {"latency": 0.2, "max_concurrent": 32},
+}
+# the deployment's limiter, one setting per upstream: the provider's concurrency, RATE_SHARE of its rate
+PROVIDER_LIMITS = {
+    "REDRIVE_UPSTREAM_LLM": {"max_concurrent": LLM_CONCURRENT, "rate_per_second": LLM_RATE * RATE_SHARE},
+    "REDRIVE_UPSTREAM_MAIL": {"rate_per_second": 20 * RATE_SHARE},
+    "REDRIVE_UPSTREAM_CASE_API": {"max_concurrent": 32},
+}
+DEPLOYED_IN_FLIGHT = {"evidence": 32}  # per drain run; the criticizer's default is 64, review's 8 (26/s at 300 ms)
+# the route each pipeline calls once per entity and whose limits bind it (its throughput is measured there)
+BINDING = {"criticizer": "llm", "review_notifications": "mail.send", "evidence": "case.attach"}
+EFFECT = {"llm": "llm.call", "mail.send": "mail.send", "case.attach": "case.attach"}
+
+
+def allowed_per_second(profile: dict[str, Any]) -> float:
+    """Pure: what a provider's route allows a second: the smaller of concurrency ÷ mean latency and its rate."""
+    latency = profile.get("latency") or mean_lognormal(profile["p50"], profile["p99"])
+    return min(profile.get("max_concurrent", math.inf) / latency, profile.get("rate_per_second", math.inf))
+
+
+def deployed_cap(ratio: float, cores_busy: float, rate_bound: bool, share: float = RATE_SHARE) -> str:
+    """Pure: what capped a pipeline below 0.9 of what its provider allows, in the order it binds."""
+    if ratio >= 0.9:
+        return "met"
+    if cores_busy >= CPU_RAN_OUT:
+        return f"this machine's cores ({cores_busy:.0%} busy)"
+    if rate_bound and ratio >= share - 0.05:
+        return f"the limiter's rate share (it grants {share:.0%} of the provider's rate)"
+    return f"our engine: runs × in flight too few for the provider (cores {cores_busy:.0%} busy)"
+
+
+def deployed_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = DEPLOYED_ENTITIES) -> list[dict[str, Any]]:
+    """Each drained pipeline through `make serve`'s topology (daemon, gRPC code server, run queue, run workers)
+    against the issue's providers, with the limiter set for them: its entities/s at the route that binds it (middle
+    60 %) against what that route allows, every route's peaks and refusals, lost work and duplicate effects."""
+    import json
+
+    from bench.scale import _DEFS, CRITIQUE, LOADS, run_deployed
+    from bench._workload import migrated_database, postgres_pids
+    from orchestration.definitions import build_definitions
+    from redrive.settings import Settings
+
+    cores = psutil.cpu_count() or 1
+    # sized as docs/operating.md says: in flight at least the slots (evidence's rows wait 200 ms on the case API)
+    env = {**{name: json.dumps(value) for name, value in PROVIDER_LIMITS.items()},
+           "REDRIVE_DRAIN_IN_FLIGHT": json.dumps(DEPLOYED_IN_FLIGHT)}
+
+    def providers(sandbox: SandboxClient) -> None:
+        sandbox.set_default("llm", content=json.dumps(CRITIQUE))
+        for route, profile in PROVIDERS.items():
+            latency = {"latency": profile["latency"]} if "latency" in profile else \
+                {"p50": profile["p50"], "p99": profile["p99"]}
+            sandbox.set_profile(route, **latency, max_concurrent=profile.get("max_concurrent"),
+                                rate_per_second=profile.get("rate_per_second"), seed=26)
+
+    print(f"\nthrough make serve's topology, {n} entities a pipeline, the issue's providers "
+          f"({', '.join(f'{r}: {p}' for r, p in PROVIDERS.items())}); the limiter: {env}")
+    rows = []
+    for name in pipelines:
+        load, session = LOADS[name], uuid.uuid4().hex[:6]
+        with migrated_database(f"bench_upstreams_deployed_{name}") as url:
+            settings = Settings(database_url=url, redrive_time_scale=1.0)
+            _DEFS.append(build_definitions(settings))
+            outcome = run_deployed(load, settings, n, session, postgres_pids(url), timeout=3600,
+                                   upstreams=providers, env=env)
+        sandbox = SandboxClient(os.environ["SANDBOX_URL"], timeout=30)
+        route = BINDING[name]
+        allowed = allowed_per_second(PROVIDERS[route])
+        rate = steady_rate([datetime.fromisoformat(e["at"]) for e in sandbox.effects(EFFECT[route])])
+        meters = sandbox.meters()
+        busy = (outcome.machine_cpu_seconds or 0.0) / (outcome.seconds * cores)
+        ratio = rate / allowed
+        row = {"pipeline": name, "entities": n, "runs": outcome.runs, "lost": outcome.open_left,
+               "duplicate_effects": outcome.effects - outcome.distinct_effects, "end_to_end_per_s": outcome.per_second,
+               "binding_route": route, "entities_per_s": rate, "allowed_per_s": allowed, "ratio_to_allowed": ratio,
+               "cores_busy": busy, "machine_cpu_ms_per_entity": 1000 * (outcome.machine_cpu_seconds or 0.0) / n,
+               "refused_429": sum(m["limited"] for m in meters.values()),
+               "routes": {r: {k: m[k] for k in ("admitted", "limited", "peak_concurrency", "peak_rate_per_second")}
+                          for r, m in meters.items() if m.get("admitted") or m.get("limited")},
+               "cap": deployed_cap(ratio, busy, "rate_per_second" in PROVIDERS[route])}
+        rows.append(row)
+        print(f"  {name}: {n - outcome.open_left}/{n} settled in {outcome.seconds:.0f} s by {outcome.runs} runs; at "
+              f"{route}: {rate:.1f} entities/s = {ratio:.2f} of the {allowed:.1f}/s it allows ({row['cap']}); "
+              f"machine CPU {row['machine_cpu_ms_per_entity']:.1f} ms/entity, cores {busy:.0%} busy; refused "
+              f"{row['refused_429']}; lost {row['lost']}, duplicate effects {row['duplicate_effects']}", flush=True)
+        for r, m in row["routes"].items():
+            print(f"    {r}: {m['admitted']} admitted, {m['limited']} refused, peak {m['peak_concurrency']} at once, "
+                  f"{m['peak_rate_per_second']} in 1 s", flush=True)
+    return rows
+
+
+CPU_ENTITIES = int(os.environ.get("BENCH_UPSTREAMS_CPU_ENTITIES", "2000"))
+CPU_ROUNDS = int(os.environ.get("BENCH_UPSTREAMS_CPU_ROUNDS", "2"))
+
+
+def _bare_criticizer(runtime: Any, resources: Any, session: str, n: int) -> None:
+    """Each request's fetch → llm → notify and its own writes, one after another: no drain, no checkpoints."""
+    from assets.criticizer import policy, repository
+
+    http, llm = resources["criticizer_http"], resources["llm"]
+    slack = http.results_channel() or runtime.channels.get("slack")
+    for i in range(n):
+        request_id = f"scale-{session}-{i}"
+        with runtime.engine.begin() as conn:
+            request = repository.start(conn, request_id, runtime.now())
+        fetched = policy.fetched(http.fetch_artifact(request.artifact_url))
+        messages = policy.critique_messages(request.rubric, request.artifact_url, fetched["text"])
+        critiqued = policy.critiqued(llm.chat_json(messages, policy.Critique), messages)
+        critique, sha = critiqued["critique"], critiqued["critique_sha256"]
+        key = policy.idempotency_key(request_id, sha)
+        status = http.post_webhook(request.webhook_url,
+                                   policy.webhook_payload(request_id, request.artifact_url, critique, sha),
+                                   {**request.delivery_headers(), "Idempotency-Key": key})
+        with runtime.engine.begin() as conn:
+            repository.record_delivery(conn, request_id, repository.WEBHOOK, key, status, runtime.now())
+        if slack is not None:
+            subject, text = policy.slack_message(request_id, critique)
+            slack.send(subject, text, key)
+            with runtime.engine.begin() as conn:
+                repository.record_delivery(conn, request_id, repository.SLACK, key, None, runtime.now())
+        with runtime.engine.begin() as conn:
+            repository.complete(conn, request_id, critique, sha, runtime.now())
+
+
+def _bare_review(runtime: Any, resources: Any, session: str, n: int) -> None:
+    """Each job: in progress, send-and-mark its recipient (`Deliverer`, the pipeline's own), finalize."""
+    from assets.review_notifications import api, delivery, policy, repository
+
+    with resources["review_mail"].provider() as mail:
+        deliverer = delivery.Deliverer(runtime.engine, mail, runtime, row_attempts=1)
+        for i in range(n):
+            with runtime.engine.begin() as conn:
+                job = repository.job_by_key(conn, f"CL-{session}-{i}:v1")
+                repository.set_job_status(conn, job.id, policy.IN_PROGRESS)
+            delivery.raise_for_job(deliverer.deliver(job))
+            with runtime.engine.begin() as conn:
+                api.finalize(conn, job.id, runtime.now())
+
+
+def _bare_evidence(runtime: Any, resources: Any, session: str, n: int) -> None:
+    """The file jobs ingested (as the inbox's run does), then each row's attach under its lock, then the
+    merchant's notification: `AttachWorker` and `NotificationSender`, the pipeline's own, with no drain."""
+    from bench.scale import _evidence_direct
+    from assets.evidence import repository as repo
+    from assets.evidence import worker
+
+    _evidence_direct(runtime.engine, None, session, n)  # type: ignore[arg-type]
+    with runtime.engine.connect() as conn:
+        rows = conn.execute(sa.select(repo.file_job_row.c.file_job_id, repo.file_job_row.c.id)
+                            .order_by(repo.file_job_row.c.file_job_id, repo.file_job_row.c.line_no)).all()
+    with resources["case_api"].session() as api, resources["merchant_mail"].session() as mail:
+        attach = worker.AttachWorker(runtime, api, max_attempts=resources["evidence_options"].max_attempts)
+        for job_id, row_id in rows:
+            attach.process_row(job_id, row_id, mode="initial")
+        sender = worker.NotificationSender(runtime, mail)
+        for job_id in {job for job, _ in rows}:
+            sender.send_pending(job_id)
+
+
+BARE = {"criticizer": _bare_criticizer, "review_notifications": _bare_review, "evidence": _bare_evidence}
+
+
+def cpu_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = CPU_ENTITIES,
+             rounds: int = CPU_ROUNDS) -> list[dict[str, Any]]:
+    """On an instant upstream: each pipeline's machine CPU an entity (every process on the machine counted)
+    through `make serve`'s topology, against a bare loop in this process doing the same upstream calls and the
+    pipeline's own writes with no drain, no Dagster, no work queue. Rotated rounds; medians and their ratio."""
+    import json
+
+    from bench.scale import _DEFS, CRITIQUE, LOADS, run_deployed
+    from bench._workload import migrated_database, postgres_pids
+    from orchestration.definitions import build_definitions
+    from redrive.settings import Settings
+
+    def instant(sandbox: SandboxClient) -> None:
+        sandbox.set_default("llm", content=json.dumps(CRITIQUE))
+
+    print(f"\nCPU an entity on an instant upstream: make serve's topology against a bare loop, {n} entities, "
+          f"{rounds} rounds each")
+    rows = []
+    for name in pipelines:
+        load = LOADS[name]
+        taken: dict[str, list[float]] = {"deployed": [], "bare": []}
+        for r in range(rounds):
+            for how in (("bare", "deployed") if r % 2 == 0 else ("deployed", "bare")):
+                session = uuid.uuid4().hex[:6]
+                with migrated_database(f"bench_upstreams_cpu_{name}_{how}") as url:
+                    settings = Settings(database_url=url, redrive_time_scale=1.0)
+                    defs = build_definitions(settings)
+                    _DEFS.append(defs)
+                    if how == "deployed":
+                        outcome = run_deployed(load, settings, n, session, postgres_pids(url), timeout=3600,
+                                               upstreams=instant)
+                        cpu, wall, left = outcome.machine_cpu_seconds or 0.0, outcome.seconds, outcome.open_left
+                    else:
+                        sandbox = SandboxClient(os.environ["SANDBOX_URL"], timeout=30)
+                        sandbox.reset()
+                        instant(sandbox)
+                        runtime = defs.resources["reliability"].runtime()
+                        engine = engine_for(url)
+                        cpu, started = machine_cpu(), time.perf_counter()
+                        if name != "evidence":  # evidence's file jobs are ingested by its loop
+                            load.submit(engine, sandbox, session, n)
+                        BARE[name](runtime, defs.resources, session, n)
+                        wall, cpu, left = time.perf_counter() - started, machine_cpu() - cpu, 0
+                taken[how].append(1000 * cpu / n)
+                print(f"  {name} {how:<8} round {r + 1}: {1000 * cpu / n:6.1f} ms machine CPU an entity, "
+                      f"{n / wall:6.1f} entities/s{f', {left} left open' if left else ''}", flush=True)
+        deployed, bare = statistics.median(taken["deployed"]), statistics.median(taken["bare"])
+        rows.append({"pipeline": name, "entities": n, "deployed_cpu_ms": deployed, "bare_cpu_ms": bare,
+                     "ratio": deployed / bare, "met": deployed <= 2 * bare})
+        print(f"  {name}: deployed {deployed:.1f} ms, bare loop {bare:.1f} ms an entity (medians): "
+              f"{deployed / bare:.2f}× the bare loop (target ≤ 2×: {'met' if deployed <= 2 * bare else 'NOT met'})",
+              flush=True)
     return rows
 
 
@@ -413,7 +710,7 @@ def outage_part(processes: int = 2) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench upstreams")
-    parser.add_argument("--part", choices=["limiter", "in-flight", "drain", "outage", "all"], default="all")
+    parser.add_argument("--part", choices=["limiter", "in-flight", "drain", "scale-out", "deployed", "cpu", "outage", "all"], default="all")
     args = parser.parse_args(argv or [])
     print(f"machine: {psutil.cpu_count()} cores")
     if args.part in ("limiter", "all"):
@@ -426,6 +723,20 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             print(f"FAILED: refused requests or entities not done: {bad}")
             return 1
+    if args.part in ("scale-out", "all"):
+        rows = scale_out_part()
+        bad = [r for r in rows if r["done"] != r["entities"] or r["llm_calls"] != r["entities"]]
+        if bad:
+            print(f"FAILED: entities not done, or called twice: {bad}")
+            return 1
+    if args.part in ("deployed", "all"):
+        rows = deployed_part()
+        bad = [r for r in rows if r["refused_429"] or r["lost"] or r["duplicate_effects"]]
+        if bad:
+            print(f"FAILED: requests refused, work lost or effects duplicated: {bad}")
+            return 1
+    if args.part in ("cpu", "all"):
+        cpu_part()
     if args.part in ("outage", "all") and not outage_part()["ok"]:
         print("FAILED: the outage's retries, recovery, outcome or alert (see above)")
         return 1

@@ -9,7 +9,8 @@ the caps live in the system of record and every process that calls the upstream 
   apart (`rate_burst` may come at once), so any window of W seconds holds at most rate·W + burst grants
   (at most rate per any 1 s with the default burst of 1, counted half-open). Spaced, not N at once and
   then N more a second later: jitter between a grant and the provider's arrival moves few requests
-  across the provider's window.
+  across the provider's window. A grant due within the next second is reserved (the caller sleeps until
+  its time and sends, one round trip a grant); later than that, the caller is told when to ask again.
 - **Retry-After is news for everyone.** A 429 pauses the upstream (`paused_until`) for every worker.
 - **A retry budget** (Finagle's RetryBudget shape): a retry is sent only while retries over the last
   `retry_window_seconds` stay within `retry_share` of all calls plus `retry_floor_per_second` per
@@ -17,7 +18,7 @@ the caps live in the system of record and every process that calls the upstream 
   entity due later without spending an attempt, and the first denial of an episode raises one alert
   per upstream (not one per entity).
 
-The hot path is one round trip: `redrive_upstream_acquire(...)` (a stored function, migration 0010)
+The hot path is one round trip: `redrive_upstream_acquire(...)` (a stored function, migrations 0010-0013)
 decides pause, budget, slot and rate under row locks and returns a slot or how long to wait; a
 release is a second, one-row UPDATE. An entity waiting for a slot only waits: it spends no attempt.
 The decision formulas are written once, in that function; :func:`retry_allowance` states the budget's
@@ -160,6 +161,8 @@ DECLARE
     due timestamptz;
     spacing double precision;
     fresh boolean := false;
+    ahead double precision := 0.0;  -- a reserved grant is sent this many seconds from now
+    reserve_ahead constant double precision := 1.0;
     v_now timestamptz := coalesce(p_now, clock_timestamp());  -- NULL: the database's clock, one for all machines
 BEGIN
     sec := floor(extract(epoch FROM v_now));
@@ -205,22 +208,26 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    -- the rate (GCRA): grants spaced 1/rate apart, `rate_burst` of them may come at once
+    -- the rate (GCRA): grants spaced 1/rate apart, `rate_burst` of them may come at once. A grant due within
+    -- the next second is reserved now and sent at its time (`ahead`): one round trip a grant, where a denial
+    -- would have every waiter ask again at each grant's instant and one of them win
     IF lim.rate_per_second IS NOT NULL THEN
         spacing := 1.0 / lim.rate_per_second;
         SELECT l.tat INTO t FROM upstream_limits l WHERE l.name = p_name FOR UPDATE;
         due := coalesce(t, v_now) - make_interval(secs => (lim.rate_burst - 1) * spacing);
-        IF v_now < due THEN
+        IF due > v_now + make_interval(secs => reserve_ahead) THEN
             INSERT INTO upstream_waiters AS w VALUES (p_name, p_holder, v_now + interval '30 seconds')
                 ON CONFLICT (upstream, waiter) DO UPDATE SET until = excluded.until;
-            RETURN QUERY SELECT NULL::integer, extract(epoch FROM due - v_now)::float8, 'rate'::text, false;
+            RETURN QUERY SELECT NULL::integer, extract(epoch FROM due - v_now)::float8 - reserve_ahead, 'rate'::text,
+                                false;
             RETURN;
         END IF;
+        ahead := greatest(extract(epoch FROM due - v_now)::float8, 0.0);
         UPDATE upstream_limits l SET tat = greatest(coalesce(t, v_now), v_now) + make_interval(secs => spacing)
          WHERE l.name = p_name;
     END IF;
     IF s > 0 THEN
-        UPDATE upstream_slots us SET holder = p_holder, lease_until = v_now + make_interval(secs => p_lease)
+        UPDATE upstream_slots us SET holder = p_holder, lease_until = v_now + make_interval(secs => ahead + p_lease)
          WHERE us.upstream = p_name AND us.slot = s;
     END IF;
     IF lim.retry_share IS NOT NULL THEN
@@ -234,7 +241,7 @@ BEGIN
     IF p_waited THEN
         DELETE FROM upstream_waiters w WHERE w.upstream = p_name AND w.waiter = p_holder;
     END IF;
-    RETURN QUERY SELECT s, 0.0::float8, 'granted'::text, false;
+    RETURN QUERY SELECT s, ahead, CASE WHEN ahead > 0 THEN 'reserved' ELSE 'granted' END, false;
 END
 $fn$;
 """
@@ -343,6 +350,8 @@ class Upstreams:
     asleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # a coroutine's wait (tests inject both)
     on_exhausted: Callable[[str], None] | None = None
     poll_seconds: float = 0.05  # a full upstream is asked again this often (slots free at unknown times)
+    late_seconds: float = 0.02  # a rate grant not sent within this of its time is given back (`_on_time`)
+    monotonic: Callable[[], float] = time.monotonic  # what `late_seconds` is measured on (tests inject it)
     _configured: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     waiting: dict[str, int] = field(default_factory=dict)  # in this process, for a run's own report
@@ -437,9 +446,14 @@ class Upstreams:
         waited, polls = False, 0
         try:
             while True:
-                row = self._ask(name, limits, holder, retry, waited)
+                row, replied = self._ask(name, limits, holder, retry, waited)
                 if (grant := self._granted(name, limits, row, holder, retry)) is not None:
-                    return grant
+                    if row.wait > 0:  # a rate grant reserved for a moment from now: sent then, not asked again
+                        self._reserved(grant, lambda: self.sleep(float(row.wait)))
+                    if self._on_time(limits, row, replied):
+                        return grant
+                    self._release(grant)  # too late for its place in the rate: asked again
+                    continue
                 waited, polls = self._waiting(name, waited), polls + 1
                 self.sleep(wait_before_asking_again(float(row.wait), polls, self.poll_seconds, self._jitter.random()))
         finally:
@@ -452,20 +466,45 @@ class Upstreams:
         waited, polls = False, 0
         try:
             while True:
-                row = await asyncio.to_thread(self._ask, name, limits, holder, retry, waited)
+                row, replied = await asyncio.to_thread(self._ask, name, limits, holder, retry, waited)
                 if (grant := self._granted(name, limits, row, holder, retry)) is not None:
-                    return grant
+                    if row.wait > 0:
+                        try:
+                            await self.asleep(float(row.wait))
+                        except BaseException:  # cancelled while the grant waits: its slot goes back now
+                            await asyncio.to_thread(self._release, grant)
+                            raise
+                    if self._on_time(limits, row, replied):
+                        return grant
+                    await asyncio.to_thread(self._release, grant)
+                    continue
                 waited, polls = self._waiting(name, waited), polls + 1
                 await self.asleep(wait_before_asking_again(float(row.wait), polls, self.poll_seconds,
                                                              self._jitter.random()))
         finally:
             self._done_waiting(name, waited)
 
-    def _ask(self, name: str, limits: UpstreamLimits, holder: str, retry: bool, waited: bool) -> Any:
-        """One round trip to the acquire function: a slot, or how long to wait and why."""
-        return _once_more_if_dropped(lambda conn: conn.execute(_ACQUIRE, {
+    def _reserved(self, grant: Grant, wait: Callable[[], None]) -> None:
+        """Wait for a reserved grant's time; a caller stopped meanwhile gives its slot back at once."""
+        try:
+            wait()
+        except BaseException:
+            self._release(grant)
+            raise
+
+    def _on_time(self, limits: UpstreamLimits, row: Any, replied: float) -> bool:
+        """Whether a rate grant is still sent in its place: a caller that gets to send more than `late_seconds`
+        after the grant's time (a busy event loop, a starved machine) would arrive at the provider bunched with
+        the grants after it and push a 1 s window over the rate; it gives the grant back and asks again."""
+        return not limits.rate_per_second or self.monotonic() - replied - float(row.wait) <= self.late_seconds
+
+    def _ask(self, name: str, limits: UpstreamLimits, holder: str, retry: bool, waited: bool) -> tuple[Any, float]:
+        """One round trip to the acquire function: a slot, or how long to wait and why; and when it answered
+        (`monotonic()`, taken on the asking thread)."""
+        row = _once_more_if_dropped(lambda conn: conn.execute(_ACQUIRE, {
             "name": name, "holder": holder, "now": self._now(), "lease": limits.lease_seconds,
             "retry": retry, "waited": waited}).one(), self._autocommit)
+        return row, self.monotonic()
 
     def _granted(self, name: str, limits: UpstreamLimits, row: Any, holder: str, retry: bool) -> Grant | None:
         """The grant the row gives, or None to wait and ask again; raises RetryDeferred over the budget (and the

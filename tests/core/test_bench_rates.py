@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 
-from bench.upstreams import recovery_seconds, steady_rate
+from bench.upstreams import allowed_per_second, deployed_cap, recovery_seconds, scale_out, steady_rate
 
 T0 = datetime(2026, 11, 27, tzinfo=UTC)
 
@@ -32,3 +32,25 @@ def test_recovery_is_the_first_window_back_at_the_share_of_the_baseline() -> Non
     baseline, back = recovery_seconds(ok, (5, 20), 40)
     assert baseline == 30 and back == 5.0
     assert recovery_seconds({t: 30 for t in range(20)} | {t: 0 for t in range(20, 60)}, (5, 20), 40)[1] is None
+
+
+def test_what_a_provider_route_allows_is_the_smaller_of_concurrency_over_latency_and_its_rate() -> None:
+    assert allowed_per_second({"latency": 0.2, "max_concurrent": 32}) == 160.0
+    assert allowed_per_second({"latency": 0.3, "rate_per_second": 20}) == 20.0
+    # the LLM: 64 at once over a mean of ~1.19 s (p50 1 s, p99 4 s) is ~53.6/s, above its 50/s
+    assert allowed_per_second({"p50": 1.0, "p99": 4.0, "max_concurrent": 64, "rate_per_second": 50}) == 50.0
+    assert 53 < allowed_per_second({"p50": 1.0, "p99": 4.0, "max_concurrent": 64}) < 54
+
+
+def test_the_cap_below_the_target_is_named_in_the_order_it_binds() -> None:
+    assert deployed_cap(0.93, 0.99, rate_bound=True) == "met"
+    assert "cores" in deployed_cap(0.7, 0.95, rate_bound=True)
+    assert "rate share" in deployed_cap(0.88, 0.4, rate_bound=True, share=0.9)
+    assert "rate share" not in deployed_cap(0.88, 0.4, rate_bound=False, share=0.9)
+    assert "our engine" in deployed_cap(0.5, 0.4, rate_bound=True, share=0.9)
+
+
+def test_scale_out_names_the_cores_only_when_they_ran_out() -> None:
+    verdicts = scale_out({1: 10.0, 2: 19.0, 4: 30.0}, {1: 0.3, 2: 0.6, 4: 0.97}, cores=2)
+    assert verdicts[2].startswith("1.90×") and "ran out" not in verdicts[2]
+    assert verdicts[4].startswith("3.00×") and "2 cores ran out (97% busy)" in verdicts[4]

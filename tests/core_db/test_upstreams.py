@@ -71,46 +71,95 @@ def test_waiting_for_a_slot_only_waits(engine: sa.Engine) -> None:
 
 
 def test_grants_are_spaced_by_the_rate_across_workers(engine: sa.Engine) -> None:
-    """At 3/s across two workers: one grant, the next only 1/3 s later, whoever asks; so any 1 s holds 3."""
+    """At 3/s, four callers of two workers asking at one instant: the first is sent at once, the next three hold
+    grants reserved 1/3, 2/3 and 1 s ahead and sleep until then (one round trip each), so any 1 s holds 3 sends.
+    A fifth, due beyond the next second, is told to ask again later instead."""
     clock = FrozenClock(START)
-    workers = [limiter(engine, clock, sleep=refuse, rate_per_second=3) for _ in range(2)]
+    waits: list[float] = []
+    workers = [limiter(engine, clock, sleep=waits.append, rate_per_second=3) for _ in range(2)]
     limits = workers[0].limits["llm"]
-    workers[0].acquire("llm", limits)
-    with pytest.raises(Stuck):
-        workers[1].acquire("llm", limits)
-    clock.advance(0.33)
-    with pytest.raises(Stuck):
-        workers[0].acquire("llm", limits)
-    granted = []
+    asked: list[int] = []
+    for worker in workers:
+        worker._ask = lambda *a, ask=worker._ask: asked.append(1) or ask(*a)  # type: ignore[method-assign]
     for i in range(4):
-        clock.advance(1 / 3 if i else 0.004)
         workers[i % 2].acquire("llm", limits)
-        granted.append(clock.now())
-    assert (granted[3] - granted[0]).total_seconds() >= 1.0 - 1e-5  # 4 grants never fit in one second
+    assert waits == pytest.approx([1 / 3, 2 / 3, 1.0], abs=1e-5) and len(asked) == 4
+    sent = [START, *(START + timedelta(seconds=w) for w in waits)]
+    assert (sent[3] - sent[0]).total_seconds() >= 1.0 - 1e-5  # 4 sends never fit in one second
+    late = limiter(engine, clock, sleep=refuse, rate_per_second=3)
+    with pytest.raises(Stuck):
+        late.acquire("llm", limits)  # due 4/3 s from now: not reserved; it waits and asks again
+    clock.advance(1.0)
+    late.sleep = waits.append
+    late.acquire("llm", limits)  # now within the second ahead: reserved, sent 1/3 s later
+    assert waits[-1] == pytest.approx(1 / 3, abs=1e-5)
+
+
+def test_a_grant_sent_late_is_given_back_and_asked_again(engine: sa.Engine) -> None:
+    """At 10/s, a caller that wakes 80 ms after its reserved grant's time (a busy loop, a starved machine) would
+    arrive at the provider bunched with the grants after it: it gives that grant back and asks again, and sends
+    on its next grant, which it reaches on time. The grant it gave back is never used by anyone."""
+    clock = FrozenClock(START)
+    ticks = [0.0]
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        ticks[0] += seconds + (0.08 if len(waits) == 1 else 0.0)  # the first wake-up is late
+
+    worker = Upstreams(engine, {"llm": UpstreamLimits(rate_per_second=10, max_concurrent=5)}, clock=clock,
+                       sleep=sleep, monotonic=lambda: ticks[0])
+    asked: list[int] = []
+    worker._ask = lambda *a, ask=worker._ask: asked.append(1) or ask(*a)  # type: ignore[method-assign]
+    limits = worker.limits["llm"]
+    first = worker.acquire("llm", limits)  # due now: sent at once
+    second = worker.acquire("llm", limits)  # reserved 0.1 s ahead, woke late; then reserved 0.2 s ahead
+    assert waits == pytest.approx([0.1, 0.2], abs=1e-5) and len(asked) == 3
+    with engine.connect() as conn:
+        assert up.states(conn, clock.now())[0].slots_in_use == 2  # the late grant's slot went back
+    assert second.slot != first.slot
+
+
+def test_a_reserved_grant_given_up_returns_its_slot(engine: sa.Engine) -> None:
+    """A caller stopped while it sleeps until its reserved grant (a cancelled task, a shutdown) gives the
+    concurrency slot back at once, not when its lease ends."""
+    clock = FrozenClock(START)
+    worker = limiter(engine, clock, max_concurrent=1, rate_per_second=1, lease_seconds=60)
+    limits = worker.limits["llm"]
+    worker._release(worker.acquire("llm", limits))
+    worker.sleep = refuse
+    with pytest.raises(Stuck):
+        worker.acquire("llm", limits)  # reserved 1 s ahead with the only slot, then stopped
+    with engine.connect() as conn:
+        assert up.states(conn, clock.now())[0].slots_in_use == 0
 
 
 def test_a_burst_lets_that_many_grants_come_at_once(engine: sa.Engine) -> None:
-    """2/s with a burst of 3: three grants at one instant, then the next half a second later."""
+    """2/s with a burst of 3: three grants at one instant, the next reserved half a second later."""
     clock = FrozenClock(START)
-    worker = limiter(engine, clock, sleep=refuse, rate_per_second=2, rate_burst=3)
+    waits: list[float] = []
+    worker = limiter(engine, clock, sleep=waits.append, rate_per_second=2, rate_burst=3)
     for _ in range(3):
         worker.acquire("llm", worker.limits["llm"])
-    with pytest.raises(Stuck):
-        worker.acquire("llm", worker.limits["llm"])
-    clock.advance(0.5)
+    assert waits == []
     worker.acquire("llm", worker.limits["llm"])
+    assert waits == pytest.approx([0.5], abs=1e-5)
 
 
 def test_a_fractional_rate_spreads_grants(engine: sa.Engine) -> None:
-    """0.5/s grants one call, then the next only 2 s later."""
+    """0.5/s grants one call, then the next only 2 s later: asked at 0.9 s it is told to wait, at 1.5 s it is
+    reserved for 2 s."""
     clock = FrozenClock(START)
     worker = limiter(engine, clock, sleep=refuse, rate_per_second=0.5)
     worker.acquire("llm", worker.limits["llm"])
-    clock.advance(1.9)
+    clock.advance(0.9)
     with pytest.raises(Stuck):
         worker.acquire("llm", worker.limits["llm"])
-    clock.advance(0.1)
+    clock.advance(0.6)
+    waits: list[float] = []
+    worker.sleep = waits.append
     worker.acquire("llm", worker.limits["llm"])
+    assert waits == pytest.approx([0.5], abs=1e-5)
 
 
 def test_a_429_pauses_the_upstream_for_every_worker(engine: sa.Engine, sandbox) -> None:  # type: ignore[no-untyped-def]
