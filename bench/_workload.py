@@ -3,9 +3,11 @@ pipelines' work-queue counts, dropping evidence file jobs in the S3 inbox, and C
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,48 @@ def cpu_of(pids: list[int]) -> float:
                 continue
             total += t.user + t.system + t.children_user + t.children_system
     return total
+
+
+@dataclass
+class RunWorkers:
+    """Samples the processes that Dagster starts under the code server to execute runs (every `every` seconds):
+    how busy each kept its core, its CPU over its life seen so far. A drain run is one process, so one run's
+    process at ~100 % is the cap of that run whatever its upstreams allow."""
+
+    parents: list[int]
+    every: float = 0.5
+    seen: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # pid -> (created, last seen, cpu)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def __enter__(self) -> RunWorkers:
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every):
+            for parent in self.parents:
+                try:
+                    children = psutil.Process(parent).children(recursive=True)
+                except psutil.NoSuchProcess:
+                    continue
+                for child in children:
+                    try:
+                        if "multiprocessing" not in " ".join(child.cmdline()):
+                            continue
+                        t = child.cpu_times()
+                        self.seen[child.pid] = (child.create_time(), time.time(), t.user + t.system)
+                    except psutil.Error:
+                        continue
+
+    def busiest(self, at_least_seconds: float = 10.0) -> float:
+        """The highest share of a core a run's process used over its life (those seen for a while)."""
+        return max((cpu / (last - created) for created, last, cpu in self.seen.values()
+                    if last - created >= at_least_seconds), default=0.0)
 
 
 def postgres_pids(url: str) -> list[int]:

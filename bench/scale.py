@@ -34,7 +34,7 @@ import psutil
 import sqlalchemy as sa
 
 from bench._support import machine_cpu
-from bench._workload import (cpu_of, deployment, drop_evidence_zips, migrated_database, open_count,
+from bench._workload import (RunWorkers, cpu_of, deployment, drop_evidence_zips, migrated_database, open_count,
                              postgres_pids, total_count, wait_drained)
 from devstack.sandbox import SandboxClient
 from redrive.db import engine_for
@@ -190,6 +190,7 @@ class Outcome:
     effects: int
     distinct_effects: int
     machine_cpu_seconds: float | None = None  # every process on the machine (the sandbox too), when measured
+    run_worker_busy: float | None = None  # the busiest run worker's share of its core over its life
 
     @property
     def per_second(self) -> float:
@@ -247,14 +248,15 @@ def run_deployed(load: Load, settings: Settings, n: int, session: str, pg_pids: 
         pids = [p.proc.pid for p in topology.processes.values()]
         cpu0, pg0, machine0 = cpu_of(pids), cpu_of(pg_pids), machine_cpu()
         started, before = time.perf_counter(), total_count(engine, load.pipeline)
-        load.submit(engine, sandbox, session, n)
-        left = wait_drained(engine, load.pipeline, before + n, timeout)
+        with RunWorkers(pids) as workers:
+            load.submit(engine, sandbox, session, n)
+            left = wait_drained(engine, load.pipeline, before + n, timeout)
         seconds = time.perf_counter() - started
         cpu = cpu_of(pids) - cpu0 + cpu_of(pg_pids) - pg0
         machine = machine_cpu() - machine0
         runs = instance.get_runs_count(dg.RunsFilter(job_name=load.job)) - runs0
     effects, distinct = load.effects(sandbox)
-    return Outcome(n, seconds, cpu, runs, left, effects, distinct, machine)
+    return Outcome(n, seconds, cpu, runs, left, effects, distinct, machine, workers.busiest())
 
 
 def main(n: int | None = None) -> int:

@@ -33,13 +33,15 @@ stay within the retry budget, throughput comes back within 30 s, nothing is lost
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import math
 import multiprocessing as mp
 import os
 import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -198,6 +200,15 @@ def _drain_process(db_url: str, sandbox_url: str, owner: str, concurrency: int, 
     out.put(report.as_metadata())
 
 
+@contextlib.contextmanager
+def _queued(name: str, n: int) -> Iterator[str]:
+    """A scratch database with n due entities of the bench's pipeline; its URL."""
+    with scratch_database(name) as url:
+        with engine_for(url).begin() as conn:
+            work.enqueue_many(conn, "bench_upstreams", [(f"e-{i}", None) for i in range(n)], now=SystemClock().now())
+        yield url
+
+
 def mean_lognormal(p50: float, p99: float) -> float:
     sigma = math.log(p99 / p50) / 2.3263478740408408
     return p50 * math.exp(sigma * sigma / 2)
@@ -216,11 +227,8 @@ def drain_part(processes: tuple[int, ...] = tuple(int(n) for n in os.environ.get
         sandbox.reset()
         sandbox.set_profile("llm", p50=LLM_P50, p99=LLM_P99, max_concurrent=LLM_CONCURRENT,
                             rate_per_second=LLM_RATE, seed=26)
-        with scratch_database(f"bench_upstreams_drain_{n}") as url:
+        with _queued(f"bench_upstreams_drain_{n}", ENTITIES) as url:
             engine = engine_for(url)
-            with engine.begin() as conn:
-                work.enqueue_many(conn, "bench_upstreams", [(f"e-{i}", None) for i in range(ENTITIES)],
-                                  now=SystemClock().now())
             per_process = math.ceil(LLM_CONCURRENT * 1.25 / n)  # a little more than the slots: waiting is cheap
             out = ctx.Queue()
             cpu = machine_cpu()
@@ -290,11 +298,7 @@ def in_flight_part(levels: tuple[int, ...] = IN_FLIGHT_LEVELS) -> list[dict[str,
             n = level * RUN_LENGTH
             sandbox.reset()
             sandbox.set_profile("llm", p50=SLOW_P50, p99=SLOW_P99, seed=26)
-            with scratch_database(f"bench_upstreams_inflight_{handler}_{level}") as url:
-                engine = engine_for(url)
-                with engine.begin() as conn:
-                    work.enqueue_many(conn, "bench_upstreams", [(f"e-{j}", None) for j in range(n)],
-                                      now=SystemClock().now())
+            with _queued(f"bench_upstreams_inflight_{handler}_{level}", n) as url:
                 out = ctx.Queue()
                 proc = ctx.Process(target=_drain_process, args=(url, sandbox.base_url, f"inflight-{handler}", level,
                                                                 out, None, 0.5, handler))
@@ -363,11 +367,7 @@ def scale_out_part(processes: tuple[int, ...] = (1, 2, 4), levels: tuple[int, ..
             sandbox.reset()
             sandbox.set_profile("llm", p50=LLM_P50, p99=LLM_P99, seed=26)
             total = n * level * SCALE_OUT_RUN
-            with scratch_database(f"bench_upstreams_scale_{level}_{n}") as url:
-                engine = engine_for(url)
-                with engine.begin() as conn:
-                    work.enqueue_many(conn, "bench_upstreams", [(f"e-{i}", None) for i in range(total)],
-                                      now=SystemClock().now())
+            with _queued(f"bench_upstreams_scale_{level}_{n}", total) as url:
                 out = ctx.Queue()
                 procs = [ctx.Process(target=_drain_process, args=(url, sandbox.base_url, f"scale-{n}-{i}", level,
                                                                   out, RAISED)) for i in range(n)]
@@ -412,7 +412,11 @@ PROVIDER_LIMITS = {
     "REDRIVE_UPSTREAM_MAIL": {"rate_per_second": 20 * RATE_SHARE},
     "REDRIVE_UPSTREAM_CASE_API": {"max_concurrent": 32},
 }
-DEPLOYED_IN_FLIGHT = {"evidence": 32}  # per drain run; the criticizer's default is 64, review's 8 (26/s at 300 ms)
+# sized as docs/operating.md says, in flight over all runs at least the provider's slots: the criticizer 64 in one
+# run (its default), review 8 (26/s at 300 ms, above the mail's 20/s), evidence 8 in each of up to 8 file-job runs
+# (each row holds a database connection across its case API call, so 32 a run would take 8 × 32 of PostgreSQL's)
+DEPLOYED_IN_FLIGHT = json.loads(os.environ.get("BENCH_UPSTREAMS_DEPLOYED_IN_FLIGHT", "{}"))
+DEPLOYED_RUNS = json.loads(os.environ.get("BENCH_UPSTREAMS_DEPLOYED_RUNS", "{}"))
 # the route each pipeline calls once per entity and whose limits bind it (its throughput is measured there)
 BINDING = {"criticizer": "llm", "review_notifications": "mail.send", "evidence": "case.attach"}
 EFFECT = {"llm": "llm.call", "mail.send": "mail.send", "case.attach": "case.attach"}
@@ -424,12 +428,16 @@ def allowed_per_second(profile: dict[str, Any]) -> float:
     return min(profile.get("max_concurrent", math.inf) / latency, profile.get("rate_per_second", math.inf))
 
 
-def deployed_cap(ratio: float, cores_busy: float, rate_bound: bool, share: float = RATE_SHARE) -> str:
+def deployed_cap(ratio: float, cores_busy: float, rate_bound: bool, share: float = RATE_SHARE,
+                 run_busy: float = 0.0) -> str:
     """Pure: what capped a pipeline below 0.9 of what its provider allows, in the order it binds."""
     if ratio >= 0.9:
         return "met"
     if cores_busy >= CPU_RAN_OUT:
         return f"this machine's cores ({cores_busy:.0%} busy)"
+    if run_busy >= CPU_RAN_OUT:
+        return (f"a drain run's process: one core ({run_busy:.0%} of it; Python runs one thread at a time) — "
+                "more drain runs (REDRIVE_DRAIN_RUNS), or less CPU an entity")
     if rate_bound and ratio >= share - 0.05:
         return f"the limiter's rate share (it grants {share:.0%} of the provider's rate)"
     return f"our engine: runs × in flight too few for the provider (cores {cores_busy:.0%} busy)"
@@ -439,17 +447,14 @@ def deployed_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = DEPL
     """Each drained pipeline through `make serve`'s topology (daemon, gRPC code server, run queue, run workers)
     against the issue's providers, with the limiter set for them: its entities/s at the route that binds it (middle
     60 %) against what that route allows, every route's peaks and refusals, lost work and duplicate effects."""
-    import json
-
     from bench.scale import _DEFS, CRITIQUE, LOADS, run_deployed
     from bench._workload import migrated_database, postgres_pids
     from orchestration.definitions import build_definitions
     from redrive.settings import Settings
 
     cores = psutil.cpu_count() or 1
-    # sized as docs/operating.md says: in flight at least the slots (evidence's rows wait 200 ms on the case API)
     env = {**{name: json.dumps(value) for name, value in PROVIDER_LIMITS.items()},
-           "REDRIVE_DRAIN_IN_FLIGHT": json.dumps(DEPLOYED_IN_FLIGHT)}
+           "REDRIVE_DRAIN_IN_FLIGHT": json.dumps(DEPLOYED_IN_FLIGHT), "REDRIVE_DRAIN_RUNS": json.dumps(DEPLOYED_RUNS)}
 
     def providers(sandbox: SandboxClient) -> None:
         sandbox.set_default("llm", content=json.dumps(CRITIQUE))
@@ -483,11 +488,14 @@ def deployed_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = DEPL
                "refused_429": sum(m["limited"] for m in meters.values()),
                "routes": {r: {k: m[k] for k in ("admitted", "limited", "peak_concurrency", "peak_rate_per_second")}
                           for r, m in meters.items() if m.get("admitted") or m.get("limited")},
-               "cap": deployed_cap(ratio, busy, "rate_per_second" in PROVIDERS[route])}
+               "run_worker_busy": outcome.run_worker_busy,
+               "cap": deployed_cap(ratio, busy, "rate_per_second" in PROVIDERS[route],
+                                   run_busy=outcome.run_worker_busy or 0.0)}
         rows.append(row)
         print(f"  {name}: {n - outcome.open_left}/{n} settled in {outcome.seconds:.0f} s by {outcome.runs} runs; at "
               f"{route}: {rate:.1f} entities/s = {ratio:.2f} of the {allowed:.1f}/s it allows ({row['cap']}); "
-              f"machine CPU {row['machine_cpu_ms_per_entity']:.1f} ms/entity, cores {busy:.0%} busy; refused "
+              f"machine CPU {row['machine_cpu_ms_per_entity']:.1f} ms/entity, cores {busy:.0%} busy, the busiest "
+              f"run's process {outcome.run_worker_busy or 0:.0%} of a core; refused "
               f"{row['refused_429']}; lost {row['lost']}, duplicate effects {row['duplicate_effects']}", flush=True)
         for r, m in row["routes"].items():
             print(f"    {r}: {m['admitted']} admitted, {m['limited']} refused, peak {m['peak_concurrency']} at once, "
@@ -571,8 +579,6 @@ def cpu_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = CPU_ENTIT
     """On an instant upstream: each pipeline's machine CPU an entity (every process on the machine counted)
     through `make serve`'s topology, against a bare loop in this process doing the same upstream calls and the
     pipeline's own writes with no drain, no Dagster, no work queue. Rotated rounds; medians and their ratio."""
-    import json
-
     from bench.scale import _DEFS, CRITIQUE, LOADS, run_deployed
     from bench._workload import migrated_database, postgres_pids
     from orchestration.definitions import build_definitions

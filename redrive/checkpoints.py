@@ -27,6 +27,13 @@ def load(conn: sa.Connection, pipeline: str, entity_ref: str, stage: str) -> dic
     return dict(row.output) if row else None
 
 
+def load_all(conn: sa.Connection, pipeline: str, entity_ref: str) -> dict[str, dict[str, Any]]:
+    """Every checkpointed stage's output of the entity, by stage."""
+    rows = conn.execute(sa.select(stage_checkpoints.c.stage, stage_checkpoints.c.output).where(
+        stage_checkpoints.c.pipeline == pipeline, stage_checkpoints.c.entity_ref == entity_ref))
+    return {row.stage: dict(row.output) for row in rows}
+
+
 def save(conn: sa.Connection, pipeline: str, entity_ref: str, stage: str, output: Mapping[str, Any]) -> None:
     stmt = insert(stage_checkpoints).values(pipeline=pipeline, entity_ref=entity_ref, stage=stage, output=dict(output))
     conn.execute(stmt.on_conflict_do_update(

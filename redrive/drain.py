@@ -50,6 +50,16 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 FROM_START = "start"
+# an attempt lost to our own database (away, out of connections, a lock conflict) is not the entity's: it is
+# counted apart under this key of the row's attempts, up to OURS_MAX times, and spends none of a stage's
+OURS = "infrastructure"
+OURS_MAX = 10
+
+
+def ours_wait(lost: int, roll: float) -> float:
+    """Pure: seconds until an entity whose attempt our own database lost is due again: 2, 4, 8 … up to 60 s
+    by the times it was lost, spread ×0.5–1.5 (`roll` in [0, 1)) so a recovered database is not stormed."""
+    return min(60.0, 2.0 ** max(1, lost)) * (0.5 + roll)
 
 
 class StageError(Exception):
@@ -93,6 +103,7 @@ class Attempt:
     on_failure: list[Callable[[sa.Connection, Failure, bool], None]] = field(default_factory=list)
     report: DrainReport | None = None
     report_lock: threading.Lock | None = None
+    _checkpoints: dict[str, dict[str, Any]] | None = field(default=None, repr=False)  # read once an attempt
 
     @property
     def entity_ref(self) -> str:
@@ -101,6 +112,12 @@ class Attempt:
     @property
     def replay_of(self) -> int | None:
         return self.item.payload.get("replay_of")
+
+    @property
+    def first_lease(self) -> bool:
+        """The entity's first lease (epoch 1): nothing of it has run before, so there is nothing to recover
+        (no checkpoint, no partial delivery); a retried, reclaimed, replayed or rerun entity has a later epoch."""
+        return self.item.lease_epoch <= 1
 
     def stage(self, name: str, work_fn: Callable[[], Mapping[str, Any]], *, checkpoint: bool = True,
               observe: bool = True) -> dict[str, Any]:
@@ -126,7 +143,8 @@ class Attempt:
         thread); the checkpoint's read and write run on the run's I/O threads."""
         drain = self.drain
         if checkpoint:
-            done = await self.blocking(lambda: drain._patiently(lambda: self._checkpoint(name)))
+            done = await self.blocking(lambda: drain._patiently(lambda: self._checkpoint(name))) \
+                if self._checkpoints is None and not self.first_lease else self._checkpoint(name)
             if done is not None:
                 return done
         self.current_stage = name
@@ -144,8 +162,16 @@ class Attempt:
         return await self.drain.blocking(fn)
 
     def _checkpoint(self, name: str) -> dict[str, Any] | None:
-        with self.drain.engine.connect() as conn:
-            return checkpoints.load(conn, self.drain.pipeline, self.entity_ref, name)
+        """The stage's checkpoint: every stage's read in one query, once an attempt; none read at all on the
+        entity's first lease (epoch 1), when no stage of it has run yet (a reclaimed, retried or replayed
+        entity has a later epoch)."""
+        if self._checkpoints is None:
+            if self.first_lease:
+                self._checkpoints = {}
+            else:
+                with self.drain.engine.connect() as conn:
+                    self._checkpoints = checkpoints.load_all(conn, self.drain.pipeline, self.entity_ref)
+        return self._checkpoints.get(name)
 
     def _finished(self, name: str, output: dict[str, Any], seconds: float, checkpoint: bool, observe: bool) -> None:
         """Count the stage's attempt and write its checkpoint and observation."""
@@ -194,6 +220,7 @@ class DrainReport:
     dead_lettered: int = 0
     lease_lost: int = 0
     deferred: int = 0  # retries an upstream's retry budget held back: due later, no attempt spent
+    infrastructure: int = 0  # attempts our own database lost: due again shortly, no stage attempt spent
     batches: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)  # failed attempts by error class
@@ -205,6 +232,7 @@ class DrainReport:
     def as_metadata(self) -> dict[str, int]:
         return {"claimed": self.claimed, "done": self.done, "retried": self.retried,
                 "dead_lettered": self.dead_lettered, "lease_lost": self.lease_lost, "deferred": self.deferred,
+                "infrastructure": self.infrastructure,
                 "batches": self.batches}
 
 
@@ -440,6 +468,9 @@ class Drain:
         try:
             if isinstance(cause, upstreams.RetryDeferred):
                 return self._patiently(lambda: self._defer_retry(attempt, stage, cause))
+            ours = classify_exception(cause)
+            if ours.core == Code.DB_TRANSIENT and item.attempts.get(OURS, 0) < OURS_MAX:
+                return self._patiently(lambda: self._defer_ours(attempt, stage, ours))
             return self._patiently(lambda: self._settle_failure(attempt, stage, cause, seconds))
         except LeaseLost:
             return "lease_lost"
@@ -462,7 +493,7 @@ class Drain:
     @staticmethod
     def _count(report: DrainReport, lock: threading.Lock, outcome: str) -> None:
         with lock:
-            if outcome in ("done", "retried", "dead_lettered", "lease_lost", "deferred"):
+            if outcome in ("done", "retried", "dead_lettered", "lease_lost", "deferred", "infrastructure"):
                 setattr(report, outcome, getattr(report, outcome) + 1)
             else:
                 report.errors[outcome] = report.errors.get(outcome, 0) + 1
@@ -501,6 +532,24 @@ class Drain:
                                    error=f"{stage} of {item.entity_ref}: {deferred}", now=now):
                 raise LeaseLost(item.entity_ref)
         return "deferred"
+
+    def _defer_ours(self, attempt: Attempt, stage: str, failure: Failure) -> str:
+        """Our own database lost this attempt: the row is due again shortly with its stages' attempts as they were
+        (the loss counted apart, under OURS), so a database restart or a full connection pool never dead-letters
+        work; the pipeline's failure writes run as for a retry, and the failure is observed with its class."""
+        item, now = attempt.item, self.reliability.now()
+        lost = item.attempts.get(OURS, 0) + 1
+        roll = self.reliability.rng_for(f"{self.pipeline}:{item.entity_ref}:{OURS}:{lost}").random()
+        due_at = now + timedelta(seconds=ours_wait(lost, roll) * self.reliability.time_scale)
+        with self.engine.begin() as conn:
+            if not work.reschedule(conn, item, due_at=due_at, stage=stage, attempts={**attempt.stage_attempts(),
+                                   OURS: lost}, error=f"{stage} of {item.entity_ref}: {failure.code} (our database; "
+                                   f"not counted as an attempt, {lost}/{OURS_MAX})", now=now):
+                raise LeaseLost(item.entity_ref)
+            for write in attempt.on_failure:
+                write(conn, failure, False)
+            observations.observe(conn, self.pipeline, stage, observations.RETRY, error_class=failure.code)
+        return "infrastructure"
 
     def _settle_failure(self, attempt: Attempt, stage: str, exc: BaseException, seconds: float | None = None) -> str:
         item = attempt.item

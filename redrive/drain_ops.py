@@ -63,7 +63,8 @@ def run_drain(context: dg.OpExecutionContext, runtime: Reliability, pipeline: st
 def _summary(pipeline: str, report: DrainReport) -> str:
     return (f"{pipeline}: {report.claimed} claimed in {report.batches} batches; {report.done} done, "
             f"{report.retried} due again later, {report.dead_lettered} dead-lettered, "
-            f"{report.lease_lost} lost to a reclaim, {report.deferred} retries deferred by an upstream's budget")
+            f"{report.lease_lost} lost to a reclaim, {report.deferred} retries deferred by an upstream's budget, "
+            f"{report.infrastructure} attempts our database lost (not counted)")
 
 
 def drain_job(name: str, pipeline: str, op: dg.OpDefinition, *, description: str,

@@ -82,7 +82,8 @@ def handler(runtime: Reliability, criticizer_http: CriticizerHttpResource, llm: 
                 repository.record_delivery(conn, request.request_id, channel, key, status, runtime.now())
 
         async def deliver() -> dict[str, Any]:
-            done = await attempt.blocking(lambda: _delivered(runtime, request.request_id, key))
+            done = set() if attempt.first_lease else \
+                await attempt.blocking(lambda: _delivered(runtime, request.request_id, key))
             if repository.WEBHOOK not in done:
                 status = await criticizer_http.apost_webhook(
                     request.webhook_url,

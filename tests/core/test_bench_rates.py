@@ -48,6 +48,7 @@ def test_the_cap_below_the_target_is_named_in_the_order_it_binds() -> None:
     assert "rate share" in deployed_cap(0.88, 0.4, rate_bound=True, share=0.9)
     assert "rate share" not in deployed_cap(0.88, 0.4, rate_bound=False, share=0.9)
     assert "our engine" in deployed_cap(0.5, 0.4, rate_bound=True, share=0.9)
+    assert "a drain run's process" in deployed_cap(0.3, 0.75, rate_bound=True, run_busy=0.93)
 
 
 def test_scale_out_names_the_cores_only_when_they_ran_out() -> None:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from redrive import deadletters, work
+from redrive import checkpoints, deadletters, work
 from redrive.backoff import FixedSchedule
 from redrive.clock import FrozenClock
 from redrive.drain import Attempt, Drain
@@ -285,3 +285,99 @@ def test_claim_uses_the_claim_index(engine) -> None:
     with engine.connect() as conn:
         plan = "\n".join(r[0] for r in conn.execute(sa.text("EXPLAIN " + sql)))
     assert "ix_work_items_claim" in plan and "Seq Scan" not in plan
+
+
+@pytest.mark.parametrize("kind", ["thread", "coroutine"])
+def test_checkpoints_are_read_once_an_attempt_and_not_on_an_entitys_first_lease(engine, kind: str,
+                                                                                   monkeypatch) -> None:
+    """A first lease runs every stage (a checkpoint left by an earlier life of the same ref, pruned work or a
+    stray row, is not taken for this entity's); its retry, on a later lease, resumes after the stage that
+    succeeded, reading the entity's checkpoints in one query."""
+    clock = FrozenClock(START)
+    enqueue(engine, 1, clock)
+    with engine.begin() as conn:
+        conn.execute(sa.insert(stage_checkpoints).values(pipeline="demo", entity_ref="e-0", stage="fetch",
+                                                         output={"body": "stale"}))
+    ran: list[str] = []
+
+    def fetch() -> dict:
+        ran.append("fetch")
+        return {"body": f"fresh {len(ran)}"}
+
+    def send(fetched: dict) -> dict:
+        ran.append("send")
+        if ran.count("send") == 1:
+            raise httpx.HTTPStatusError("503", request=httpx.Request("POST", "http://x"), response=httpx.Response(503))
+        return {"sent": fetched["body"]}
+
+    def handle(attempt: Attempt) -> None:
+        fetched = attempt.stage("fetch", fetch)
+        attempt.stage("send", lambda: send(fetched))
+
+    async def ahandle(attempt: Attempt) -> None:
+        async def afetch() -> dict:
+            return fetch()
+
+        fetched = await attempt.astage("fetch", afetch)
+
+        async def asend() -> dict:
+            return send(fetched)
+
+        await attempt.astage("send", asend)
+
+    chosen = handle if kind == "thread" else ahandle
+    assert drain(engine, clock).run(chosen).retried == 1
+    assert ran == ["fetch", "send"]  # the stale checkpoint was not used on the first lease
+    clock.advance(30)
+    reads: list[str] = []
+    original = checkpoints.load_all
+
+    def counted(conn, pipeline, ref):  # type: ignore[no-untyped-def]
+        reads.append(ref)
+        return original(conn, pipeline, ref)
+
+    monkeypatch.setattr(checkpoints, "load_all", counted)
+    assert drain(engine, clock).run(chosen).done == 1
+    assert ran == ["fetch", "send", "send"] and reads == ["e-0"]  # resumed at `send`, one read for both stages
+    with engine.connect() as conn:
+        outputs = dict(conn.execute(sa.select(stage_checkpoints.c.stage, stage_checkpoints.c.output)).all())
+    assert outputs["send"] == {"sent": "fresh 1"}
+
+
+def test_an_attempt_our_database_lost_spends_none_and_comes_back_shortly(engine) -> None:
+    """The handler's own write fails on our database (too many clients, a restart): the entity is due again
+    within seconds with its stage's attempts untouched, the loss counted apart; after OURS_MAX such losses it
+    is an ordinary failure of the stage, so a broken statement cannot loop for ever."""
+    from redrive.drain import OURS, OURS_MAX
+
+    clock = FrozenClock(START)
+    enqueue(engine, 1, clock)
+    lost = sa.exc.OperationalError("INSERT", {}, Exception("FATAL: sorry, too many clients already"))
+
+    def handle(attempt: Attempt) -> None:
+        def send() -> dict:
+            raise lost
+        attempt.stage("send", send)
+
+    report = drain(engine, clock).run(handle)
+    assert (report.infrastructure, report.retried, report.dead_lettered) == (1, 0, 0)
+    with engine.connect() as conn:
+        row = conn.execute(sa.select(work_items)).one()
+    assert row.status == "due" and row.attempts == {OURS: 1}
+    assert START < row.due_at <= START + timedelta(seconds=3)
+    assert "not counted as an attempt" in row.last_error
+    for n in range(2, OURS_MAX + 1):
+        clock.advance(120)
+        assert drain(engine, clock).run(handle).infrastructure == 1
+    clock.advance(120)
+    spent = drain(engine, clock).run(handle)
+    assert (spent.infrastructure, spent.retried) == (0, 1)
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(work_items.c.attempts)).scalar_one() == {OURS: OURS_MAX, "send": 1}
+
+
+def test_the_wait_after_our_database_lost_an_attempt_grows_and_is_capped() -> None:
+    from redrive.drain import ours_wait
+
+    assert [ours_wait(n, 0.5) for n in (1, 2, 3, 6, 7, 20)] == [2.0, 4.0, 8.0, 60.0, 60.0, 60.0]
+    assert ours_wait(3, 0.0) == 4.0 and ours_wait(3, 0.999) < 12.0
