@@ -129,14 +129,35 @@ def migrated_database(name: str) -> Iterator[str]:
 @contextmanager
 def deployment(settings: Settings, home: Path, *, only: tuple[str, ...] = ("code-server", "daemon"),
                workers: int = 1, env: dict[str, str] | None = None) -> Iterator[Any]:
-    """The processes of `make serve` (devstack.topology) on this database; sensors ticked every 5 s."""
+    """The processes of `make serve` (devstack.topology) on this database; sensors ticked every 5 s. Dagster's
+    storage is a database of its own unless `env` names one (DAGSTER_PG_URL): no run of an earlier deployment
+    (a failed run the daemon retries, one left STARTED) is launched or counted in this one."""
+    import os
+
+    from devstack.postgres import create_database, drop_database, with_database
     from devstack.topology import Topology
+    from redrive.db import normalize_url
 
     full = {"DATABASE_URL": settings.database_url or "", "REDRIVE_TIME_SCALE": str(settings.redrive_time_scale),
             "CRITICIZER_SENSOR_INTERVAL_SECONDS": "5", "REVIEW_NOTIFICATIONS_SENSOR_INTERVAL_SECONDS": "5",
             **(env or {})}
-    with Topology(home=home, env=full, only=list(only), workers=workers) as topology:
-        yield topology
+    own = "DAGSTER_PG_URL" not in full
+    admin, name = with_database(settings.database_url or "", "postgres"), f"dagster_{home.name}"
+    saved = os.environ.get("DAGSTER_PG_URL")
+    if own:
+        drop_database(admin, name)
+        create_database(admin, name)
+        full["DAGSTER_PG_URL"] = os.environ["DAGSTER_PG_URL"] = normalize_url(with_database(admin, name))
+    try:
+        with Topology(home=home, env=full, only=list(only), workers=workers) as topology:
+            yield topology
+    finally:
+        if own:
+            if saved is None:
+                os.environ.pop("DAGSTER_PG_URL", None)
+            else:
+                os.environ["DAGSTER_PG_URL"] = saved
+            drop_database(admin, name)
 
 
 def drop_evidence_zips(defs: Any, zips: list[tuple[str, bytes]],
