@@ -15,7 +15,7 @@ N entities of a core drain (one LLM call and one checkpoint each) are worked by 
 processes sharing the queue (SKIP LOCKED) and the limits (`REDRIVE_UPSTREAM_LLM`). It reports entities/s
 against what the provider allows (the smaller of concurrency ÷ mean latency and the rate), the sandbox's
 peak concurrency and peak requests in any 1 s window, and how many requests it refused (must be 0).
-Not yet through `make serve`'s topology (daemon, run queue): the drains are plain processes here.
+The drains are plain processes here; part 2c runs the pipelines through the deployed topology.
 
 Part 1b, in flight (`--part in-flight`): one drain process against a slow LLM (p50 8 s, p99 30 s) with no limits, 8, 64 and 256
 entities in flight, a plain handler (a thread each) against a coroutine handler (a task each), interleaved:
@@ -25,6 +25,16 @@ resident memory and CPU per entity.
 Part 2b, scale-out (`--part scale-out`): the same LLM latency with its limits raised out of the way, 1, 2 and 4
 drain processes at 8 entities in flight each (four fit this machine's cores) and at the criticizer's 64: answers/s
 against one process's, and how busy the machine's cores were, which names the cores when they ran out.
+
+Part 2c, through `make serve`'s topology (`--part deployed`): the criticizer, review notifications and evidence,
+10,000 entities each (`BENCH_UPSTREAMS_DEPLOYED_ENTITIES`), against the sandbox as all of the issue's providers,
+with the limiter set for them: entities/s at the route that binds each pipeline against what it allows, every
+route's peaks and refusals, lost work, duplicate effects, and what capped it (the machine's cores, one run's core,
+the limiter's rate share, or too few in flight).
+
+Part 2d, CPU an entity (`--part cpu`): on an instant upstream, each pipeline through the topology against a bare
+loop in this process doing the same upstream calls and the pipeline's own writes with no engine; machine CPU, rotated
+rounds, medians and the ratio (target ≤ 2×).
 
 Part 3, an outage (`outage_part`): the LLM answers 503 to everything for 60 s at full load; the retries sent
 stay within the retry budget, throughput comes back within 30 s, nothing is lost or called twice, one alert.

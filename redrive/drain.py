@@ -158,8 +158,15 @@ class Attempt:
         return output
 
     async def blocking(self, fn: Callable[[], T]) -> T:
-        """`fn()` (a database write, a synchronous client) on the run's I/O threads, off the loop."""
+        """`fn()` (a database write) on the run's I/O threads, off the loop."""
         return await self.drain.blocking(fn)
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """`fn()`, a fast upstream's call through its synchronous client, on the run's call threads: a sync client
+        costs a fraction of the CPU of an async one, and these threads are apart from the I/O threads, so an
+        upstream that turns slow holds up other calls, never the run's database writes. A slow upstream (an LLM's
+        seconds) is awaited through its async client instead."""
+        return await self.drain.call(fn)
 
     def _checkpoint(self, name: str) -> dict[str, Any] | None:
         """The stage's checkpoint: every stage's read in one query, once an attempt; none read at all on the
@@ -246,6 +253,7 @@ class Drain:
     owner: str
     concurrency: int = 8  # entities in flight; a coroutine handler's hold no thread, so hundreds cost little
     io_threads: int = 8  # claims, settlements and a coroutine handler's database writes (the pool has 15)
+    call_threads: int = 16  # a coroutine handler's calls of fast upstreams through sync clients (`Attempt.call`)
     batch_size: int = 50
     lease_seconds: float = 60.0  # a dead worker's rows come back within a minute; the heartbeat extends every 20 s
     linger_seconds: float = 5.0  # wait for work falling due this soon, rather than end the run
@@ -258,6 +266,7 @@ class Drain:
     outage_sleep: Callable[[float], None] = time.sleep
     _lease_ends: dict[int, datetime] = field(default_factory=dict, init=False, repr=False)  # as last written
     _io: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)  # the running run's I/O threads
+    _calls: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)  # and its call threads
 
     @property
     def engine(self) -> sa.Engine:
@@ -272,6 +281,12 @@ class Drain:
     async def blocking(self, fn: Callable[[], T]) -> T:
         """`fn()` on the run's I/O threads (its context, e.g. the retry flag, goes with it)."""
         return await asyncio.get_running_loop().run_in_executor(self._io, contextvars.copy_context().run, fn)
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the run's call threads (`Attempt.call`), its context with it."""
+        if self._calls is None:
+            self._calls = ThreadPoolExecutor(max_workers=self.call_threads, thread_name_prefix=f"drain-call-{self.pipeline}")
+        return await asyncio.get_running_loop().run_in_executor(self._calls, contextvars.copy_context().run, fn)
 
     async def _run(self, handle: Handler, group_key: str | None) -> DrainReport:
         report, lock = DrainReport(), threading.Lock()
@@ -355,6 +370,9 @@ class Drain:
                 await aio.close_loop_locals()
             finally:
                 self._io.shutdown(wait=True)
+                if self._calls is not None:
+                    self._calls.shutdown(wait=True)
+                    self._calls = None
         return report
 
     # --- claiming and leases ---------------------------------------------------------------------

@@ -18,8 +18,8 @@ from pydantic import Field
 
 from redrive.clock import SystemClock
 from redrive.failures import Code, Failure, classify_http, raise_failure
-from redrive.upstreams import aguarded, guarded
-from resources.http import shared_async_client, shared_client
+from redrive.upstreams import guarded
+from resources.http import shared_client
 from resources.notify import SlackWebhookChannel
 
 
@@ -36,11 +36,6 @@ class CriticizerHttpResource(ConfigurableResource):
         self._allowed(url)
         return guarded("artifact_store", lambda: self._fetch(url))
 
-    async def afetch_artifact(self, url: str) -> bytes:
-        """`fetch_artifact` awaited (a coroutine handler's)."""
-        self._allowed(url)
-        return await aguarded("artifact_store", lambda: self._afetch(url))
-
     def _allowed(self, url: str) -> None:
         if self.artifact_url_prefixes and not any(url.startswith(p) for p in self.artifact_url_prefixes):
             raise_failure(Failure.of(Code.POLICY_REJECTED, message="artifact URL is outside the allowed stores",
@@ -56,26 +51,10 @@ class CriticizerHttpResource(ConfigurableResource):
                 body.add(chunk)
         return body.bytes()
 
-    async def _afetch(self, url: str) -> bytes:
-        async with shared_async_client().stream("GET", url, timeout=self.timeout_seconds) as response:
-            if response.is_error:
-                await response.aread()
-                response.raise_for_status()
-            body = _Capped(self.max_artifact_bytes)
-            async for chunk in response.aiter_bytes():
-                body.add(chunk)
-        return body.bytes()
-
     def post_webhook(self, url: str, payload: Mapping[str, Any], headers: Mapping[str, str]) -> int:
         """POST the critique; returns the status, raises a classified failure on a non-2xx answer."""
         response = guarded("webhooks", lambda: shared_client().post(url, json=dict(payload), headers=dict(headers),
                                                                     timeout=self.timeout_seconds))
-        return _delivered(response)
-
-    async def apost_webhook(self, url: str, payload: Mapping[str, Any], headers: Mapping[str, str]) -> int:
-        """`post_webhook` awaited."""
-        response = await aguarded("webhooks", lambda: shared_async_client().post(
-            url, json=dict(payload), headers=dict(headers), timeout=self.timeout_seconds))
         return _delivered(response)
 
     def results_channel(self) -> SlackWebhookChannel | None:

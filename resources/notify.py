@@ -9,7 +9,6 @@ or a webhook resource of the same shape.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 
 from dagster import ConfigurableResource
@@ -19,8 +18,8 @@ from slack_sdk import WebClient
 from slack_sdk.webhook import WebhookClient
 
 from redrive.alerts import Channel
-from redrive.upstreams import aguarded, guarded
-from resources.http import shared_async_client, shared_client
+from redrive.upstreams import guarded
+from resources.http import shared_client
 from resources.secrets import resolved
 
 
@@ -74,12 +73,6 @@ class SlackWebhookChannel:
         response.raise_for_status()
         return None
 
-    async def asend(self, subject: str, text: str, token: str) -> str | None:
-        response = await aguarded("slack", lambda: shared_async_client().post(self.url, json={"text": text},
-                                                                              timeout=10))
-        response.raise_for_status()
-        return None
-
 
 @dataclass(frozen=True)
 class SlackApiChannel:
@@ -115,13 +108,6 @@ class EmailChannel:
             response.raise_for_status()
             ids.append(response.json().get("message_id", ""))
         return ",".join(ids)
-
-
-async def asend(channel: Channel, subject: str, text: str, token: str) -> str | None:
-    """Send from a coroutine: awaited where the channel has an async client (a Slack webhook), else on a thread."""
-    if isinstance(channel, SlackWebhookChannel):
-        return await channel.asend(subject, text, token)
-    return await asyncio.to_thread(channel.send, subject, text, token)
 
 
 class NotifierResource(ConfigurableResource):

@@ -34,7 +34,6 @@ from redrive.reliability import Reliability
 from redrive.stages import StagePolicy, sanitized_body
 from redrive.vocabularies import CRITICIZER
 from resources.criticizer import CriticizerHttpResource
-from resources import notify
 from resources.llm import LlmResource
 from resources.reliability import ReliabilityResource
 
@@ -51,7 +50,9 @@ POLICIES = {
 
 def handler(runtime: Reliability, criticizer_http: CriticizerHttpResource, llm: LlmResource) -> Handler:
     """One request's fetch → llm → notify; the drain settles what a stage raises. A coroutine: the seconds an
-    LLM takes hold no thread, so one drain run keeps as many requests in flight as the LLM allows."""
+    LLM takes hold no thread, so one drain run keeps as many requests in flight as the LLM allows. The fast
+    calls (artifact store, webhook, Slack) go through sync clients on the run's call threads: on an instant
+    upstream the async client's machinery was half of the run's CPU (docs/benchmarks.md)."""
     slack = criticizer_http.results_channel() or runtime.channels.get("slack")
 
     async def handle(attempt: Attempt) -> None:
@@ -65,7 +66,7 @@ def handler(runtime: Reliability, criticizer_http: CriticizerHttpResource, llm: 
         attempt.on_failure.append(lambda conn, failure, final: _note_failure(conn, runtime, attempt, request, final))
 
         async def fetch() -> dict[str, Any]:
-            return policy.fetched(await criticizer_http.afetch_artifact(request.artifact_url))
+            return policy.fetched(await attempt.call(lambda: criticizer_http.fetch_artifact(request.artifact_url)))
 
         fetched = await attempt.astage("fetch", fetch)
         messages = policy.critique_messages(request.rubric, request.artifact_url, fetched["text"])
@@ -85,15 +86,15 @@ def handler(runtime: Reliability, criticizer_http: CriticizerHttpResource, llm: 
             done = set() if attempt.first_lease else \
                 await attempt.blocking(lambda: _delivered(runtime, request.request_id, key))
             if repository.WEBHOOK not in done:
-                status = await criticizer_http.apost_webhook(
+                status = await attempt.call(lambda: criticizer_http.post_webhook(
                     request.webhook_url,
                     policy.webhook_payload(request.request_id, request.artifact_url, critique, sha),
                     {**request.delivery_headers(), "Idempotency-Key": key},
-                )
+                ))
                 await attempt.blocking(lambda: record(repository.WEBHOOK, status))
             if slack is not None and repository.SLACK not in done:
                 subject, text = policy.slack_message(request.request_id, critique)
-                await notify.asend(slack, subject, text, key)
+                await attempt.call(lambda: slack.send(subject, text, key))
                 await attempt.blocking(lambda: record(repository.SLACK, None))
             return {"idempotency_key": key, "slack": slack is not None}
 

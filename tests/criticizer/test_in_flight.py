@@ -7,6 +7,7 @@ import threading
 import psutil
 
 from assets.criticizer import api
+from redrive.drain import Drain
 from tests.criticizer.conftest import webhook_posts
 
 N = 60
@@ -38,4 +39,7 @@ def test_one_run_keeps_sixty_requests_waiting_on_the_llm_at_once_on_a_few_thread
     assert {api.status(engine, f"wide-{i}").status for i in range(N)} == {"done"}
     assert all(len(webhook_posts(sandbox, f"wide-{i}")) == 1 for i in range(N))
     assert sandbox.meters("llm")["peak_concurrency"] >= N * 0.9  # all of them waited on the LLM together
-    assert peak[0] - before <= 20, (before, peak[0])  # the I/O threads, the heartbeat, Dagster's own: not 60
+    # bounded by the run's pools, not by the requests: its I/O threads, its call threads for the fast upstreams
+    # (store, webhook, Slack), the heartbeat and Dagster's own; a thread per request would be 60 more
+    bound = Drain.io_threads + Drain.call_threads + 6
+    assert bound < N and peak[0] - before <= bound, (before, peak[0])
