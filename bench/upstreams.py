@@ -710,7 +710,9 @@ def outage_part(processes: int = 2) -> dict[str, Any]:
     baseline, back_after = recovery_seconds(ok_per_second, (5, went_down), came_back)
     outage = [r for r in ledger if down.timestamp() <= r.second < up_again.timestamp()]
     sent, retried = sum(r.calls for r in outage), sum(r.retries for r in outage)
-    allowed = 0.1 * sent + 1.0 * len(outage)
+    # the budget's formula over the outage: 10 % of its calls plus the floor for each of its seconds, those with no
+    # grant at all included (counting only the ledger's seconds left out the seconds every retry was deferred)
+    allowed = BUDGET.retry_share * sent + BUDGET.retry_floor_per_second * (up_again - down).total_seconds()  # type: ignore[operator]
     done, dead = states.get("done", 0), states.get("dead", 0)
     deferred = sum(r["deferred"] for r in reports)
     row = {"sent_during_outage": sent, "retries_during_outage": retried, "retry_allowance": allowed,
