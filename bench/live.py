@@ -108,8 +108,9 @@ def sample(topology: object, engine: sa.Engine, databases: list[str], minute: fl
                   (time.perf_counter() - started) * 1000)
 
 
-def submit_minute(ctx: chaos.Context, rate: float, minute: int, ledgers: dict[str, chaos.Ledger]) -> None:
-    """One minute's traffic; each minute's entities are named apart (the submit functions key them by session)."""
+def submit_minute(ctx: chaos.Context, rate: float, minute: int, ledgers: dict[str, chaos.Ledger]) -> chaos.Context:
+    """One minute's traffic; each minute's entities are named apart (the submit functions key them by session).
+    Returns the minute's context (its session), by which its entities are found."""
     this = dataclasses.replace(ctx, session=f"{ctx.session}m{minute}")
     for name, share in SHARES.items():
         n = max(1, round(60 * rate * share))
@@ -118,6 +119,7 @@ def submit_minute(ctx: chaos.Context, rate: float, minute: int, ledgers: dict[st
         if name == "evidence":  # a ZIP of `rows` rows per file job, at least chaos's minimum of jobs
             n = max(n, chaos.EVIDENCE_MIN_JOBS)
         chaos.LOADS[name].submit(this, n, ledgers[name])
+    return this
 
 
 def settled(engine: sa.Engine) -> dict[str, tuple[int, int]]:

@@ -553,7 +553,6 @@ def serve_window(url: str, day: int) -> Window:
     judging them by today's date, would find every row expired at once. So during a window it keeps everything
     (every retention window 0 = for ever); the soak's own pruner (the same `redrive.retention.prune`) runs at each
     simulated day's end. Each window's Dagster storage is new: its growth is part 4's subject."""
-    import dataclasses
     import random
     import uuid
     from pathlib import Path
@@ -562,6 +561,7 @@ def serve_window(url: str, day: int) -> Window:
 
     from bench import chaos
     from bench._workload import deployment
+    from bench.live import submit_minute
     from devstack.sandbox import SandboxClient
     from devstack.topology import SERVICES
     from orchestration.definitions import build_definitions
@@ -585,14 +585,8 @@ def serve_window(url: str, day: int) -> Window:
         started = time.monotonic()
         for minute in range(max(1, round(SERVE_MINUTES))):
             ledgers = {name: chaos.Ledger(name) for name in live_shares()}
-            this = dataclasses.replace(ctx, session=f"{session}m{minute}", ledgers=ledgers)
-            for name, share in live_shares().items():
-                n = max(1, round(60 * rate * share))
-                if name == "matching":
-                    n = max(3, n - n % 3)
-                if name == "evidence":
-                    n = max(n, chaos.EVIDENCE_MIN_JOBS)
-                chaos.LOADS[name].submit(this, n, ledgers[name])
+            this = submit_minute(ctx, rate, minute, ledgers)
+            this.ledgers = ledgers  # evidence's letters are read by its file jobs
             minutes.append((this, ledgers))
             for half in (1, 2):  # a scrape each half minute, through the metrics service
                 t = time.perf_counter()
