@@ -1,6 +1,6 @@
 """Months of operation in accelerated time: does the state stay bounded and the cost flat? (issue 28)
 
-    python -m bench soak                                   # 90 days × 100,000 entities a day, 10 M events
+    python -m bench soak                                   # 120 days × 100,000 entities a day, 10 M events
     python -m bench soak --part serve                      # the days with make serve's topology at each sample
     python -m bench soak --part runs                       # only Dagster's run storage (part 4)
     BENCH_SOAK_DAYS=120 BENCH_SOAK_HISTORY=0 BENCH_SOAK_RUNS_PER_DAY=0 python -m bench soak --part serve
@@ -23,7 +23,7 @@ Two parts, on a scratch database of their own (every migration applied):
    1,000 due rows) and a scrape (15): median wall time and CPU per call (this process's and PostgreSQL's,
    which the verdicts compare: on a machine shared with other work, wall time is mostly waiting for a core).
    Each table is judged from the sample at which its retention window is full (not before day 30): a table
-   with a 90-day window fills until day 90, so the defaults need a run past it (BENCH_SOAK_DAYS=120) to judge it.
+   with a 90-day window fills until day 90, so the soak runs 120 days by default to judge it full.
 2b. **`make serve`'s topology on the aged database** (`--part serve`, and `all`). At each sample day every service
    of `make serve` (code server, webserver, daemon, conversion API and workers, metrics endpoint, console) starts
    on the soak's database as the months left it and takes BENCH_SOAK_SERVE_MINUTES (5) of live traffic at
@@ -72,7 +72,7 @@ from redrive.clock import FrozenClock
 from redrive.db import engine_for
 from redrive.settings import Settings
 
-DAYS = int(os.environ.get("BENCH_SOAK_DAYS", "90"))
+DAYS = int(os.environ.get("BENCH_SOAK_DAYS", "120"))  # past the 90-day windows, to judge them full
 PER_DAY = int(os.environ.get("BENCH_SOAK_PER_DAY", "66667"))  # + half as many conversion jobs: 100,000 a day
 HISTORY = int(os.environ.get("BENCH_SOAK_HISTORY", "10000000"))
 SCRATCH = os.environ.get("BENCH_SOAK_DB", "redrive_bench_soak")  # its databases' name: two soaks on one server
