@@ -18,9 +18,9 @@ Two parts, on a scratch database of their own (every migration applied):
    an alert delivered on two channels (resolved two days later, as operators do), criticizer requests, review
    jobs with a recipient — synthesized in bulk SQL with the day's timestamps, and counts them as the code does.
    Then the pruner runs once with the clock at the day's end (the hourly schedule's work of a day), and a plain
-   `VACUUM` stands in for autovacuum's work over a real day. At days 1, 30, 60 and 90 it samples every table's
+   `VACUUM` stands in for autovacuum's work over a real day. At days 1, 30, 60, 90 and 120 it samples every table's
    rows, the database's size, the claim of 50 due rows (`redrive.work.claim`, 20 claims over a backlog of
-   1,000 due rows) and a scrape (15): median wall time and CPU per call (this process's and PostgreSQL's,
+   1,050 due rows) and a scrape (15): median wall time and CPU per call (this process's and PostgreSQL's,
    which the verdicts compare: on a machine shared with other work, wall time is mostly waiting for a core).
    Each table is judged from the sample at which its retention window is full (not before day 30): a table
    with a 90-day window fills until day 90, so the soak runs 120 days by default to judge it full.
