@@ -16,19 +16,24 @@ Two parts, on a scratch database of their own (every migration applied):
    half as many conversion jobs': 100,000 entities a day by default) worth of finished
    work — work-queue rows with a checkpoint each, conversion jobs with their three events, 1 % dead letters with
    an alert delivered on two channels (resolved two days later, as operators do), criticizer requests, review
-   jobs with a recipient — synthesized in bulk SQL with the day's timestamps, and counts them as the code does.
+   jobs with a recipient, 1 % of conversion jobs and of review deliveries failed for good with their letters
+   (what the reconciliation sensor reads) — synthesized in bulk SQL with the day's timestamps, and counts them as the code does.
    Then the pruner runs once with the clock at the day's end (the hourly schedule's work of a day), and a plain
    `VACUUM` stands in for autovacuum's work over a real day. At days 1, 30, 60, 90 and 120 it samples every table's
    rows, the database's size, the claim of 50 due rows (`redrive.work.claim`, 20 claims over a backlog of
    1,050 due rows) and a scrape (15): median wall time and CPU per call (this process's and PostgreSQL's,
-   which the verdicts compare: on a machine shared with other work, wall time is mostly waiting for a core).
+   which the verdicts compare: on a machine shared with other work, wall time is mostly waiting for a core),
+   the pages each of those touches, and the pages each sensor of the code location reads in a tick (evaluated
+   with the clock at the simulated day, after a tick one interval before it whose cursor it gets).
    Each table is judged from the sample at which its retention window is full (not before day 30): a table
    with a 90-day window fills until day 90, so the soak runs 120 days by default to judge it full.
 2b. **`make serve`'s topology on the aged database** (`--part serve`, and `all`). At each sample day every service
    of `make serve` (code server, webserver, daemon, conversion API and workers, metrics endpoint, console) starts
    on the soak's database as the months left it and takes BENCH_SOAK_SERVE_MINUTES (5) of live traffic at
    BENCH_SOAK_SERVE_PER_DAY (100,000 a day, ~1.16 entities a second) through the pipelines' front doors, as
-   `bench live` submits it, until every entity of the window finished. Verdicts: 0 lost and 0 duplicate effects
+   `bench live` submits it, until every entity of the window finished; the day's samples are taken after it, so
+   day 1 has the stage series and open letters live traffic keeps. Each service's CPU over the window and the
+   autovacuum workers seen are printed beside it. Verdicts: 0 lost and 0 duplicate effects
    in every window; the daemon's sensor ticks (every sensor's median, from Dagster's tick records, summed) and a
    scrape through the metrics service at the last window ≤ 1.2 × the first's.
 4. **Dagster's own storage over the deployment's age** (`runs_part`). Two Dagster instances on PostgreSQL get
@@ -57,7 +62,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import sqlalchemy as sa
@@ -225,11 +230,18 @@ def synthesize_day(conn: sa.Connection, day: int, n: int) -> None:
     # operators resolve the letters of two days ago (their work rows stay dead, now prunable)
     conn.execute(sa.text("UPDATE dead_letters SET status = 'resolved', resolved_at = :start, updated_at = :start "
                          "WHERE status = 'open' AND first_failure_at < :start - interval '1 day'"), p)
+    # 1 % of conversion jobs fail for good (GW_4XX), each with its dead letter, as the worker leaves them
     conn.execute(sa.text(
         f"WITH j AS (INSERT INTO conversion_jobs (id, owner, filename, source_location, source_bytes, "
-        f"source_sha256, status, result_location, completed_at, queued_at, created_at, updated_at) "
-        f"SELECT gen_random_uuid(), 'owner' || (i % 50), 'f.pdf', 'f.pdf', 1000, 'x', 'succeeded', 'f.xml', "
-        f"{at}, {at}, {at}, {at} FROM generate_series(1, :n / 2) AS i RETURNING id, completed_at) "
+        f"source_sha256, status, result_location, error_code, completed_at, queued_at, created_at, updated_at) "
+        f"SELECT gen_random_uuid(), 'owner' || (i % 50), 'f.pdf', 'f.pdf', 1000, 'x', "
+        f"CASE WHEN i % 100 = 0 THEN 'failed' ELSE 'succeeded' END, "
+        f"CASE WHEN i % 100 = 0 THEN NULL ELSE 'f.xml' END, CASE WHEN i % 100 = 0 THEN 'GW_4XX' END, "
+        f"{at}, {at}, {at}, {at} FROM generate_series(1, :n / 2) AS i RETURNING id, status, completed_at), "
+        f"letters AS (INSERT INTO dead_letters (pipeline, stage, entity_ref, error_class, error_message, "
+        f"retryable, attempts, first_failure_at, last_failure_at, created_at, updated_at) "
+        f"SELECT 'conversion', 'convert', id::text, 'GW_4XX', 'gateway refused the file', false, 1, "
+        f"completed_at, completed_at, completed_at, completed_at FROM j WHERE status = 'failed') "
         f"INSERT INTO conversion_job_events (job_id, event, attempt, at, meta) "
         f"SELECT id, e, 1, completed_at, CASE WHEN e = 'complete' THEN jsonb_build_object('duration_ms', 300) "
         f"ELSE jsonb_build_object('reason', 'upload') END "
@@ -239,14 +251,23 @@ def synthesize_day(conn: sa.Connection, day: int, n: int) -> None:
         f"critique, created_at, completed_at) SELECT 'r' || :day || '-' || i, 'https://a.example/' || i, 'rubric', "
         f"'https://hook.example/' || i, 'fp', 'done', jsonb_build_object('score', 1), {at}, {at} "
         f"FROM generate_series(1, :n / 10) AS i"), p)
+    # 1 % of review deliveries fail for good (a mailbox that does not exist), each with its dead letter
     conn.execute(sa.text(
         f"WITH j AS (INSERT INTO review_jobs (idempotency_key, changelist_id, review_version, request_digest, "
         f"status, created_at, updated_at, finished_at) SELECT 'k' || :day || '-' || i, 'CL-' || :day || '-' || i, "
         f"1, 'd', 'succeeded', {at}, {at}, {at} FROM generate_series(1, :n / 10) AS i "
-        f"RETURNING id, changelist_id, updated_at) "
-        f"INSERT INTO review_deliveries (job_id, changelist_id, recipient, review_version, provider_token, status, "
-        f"notified_at, created_at, updated_at) SELECT id, changelist_id, 'dev' || id || '@example.com', 1, "
-        f"'rn-' || id, 'sent', updated_at, updated_at, updated_at FROM j"), p)
+        f"RETURNING id, changelist_id, updated_at), "
+        f"d AS (INSERT INTO review_deliveries (job_id, changelist_id, recipient, review_version, provider_token, "
+        f"status, notified_at, last_error, created_at, updated_at) SELECT id, changelist_id, "
+        f"'dev' || id || '@example.com', 1, 'rn-' || id, CASE WHEN id % 100 = 0 THEN 'failed' ELSE 'sent' END, "
+        f"CASE WHEN id % 100 = 0 THEN NULL ELSE updated_at END, "
+        f"CASE WHEN id % 100 = 0 THEN 'INVALID_RECIPIENT: mailbox does not exist' END, updated_at, updated_at "
+        f"FROM j RETURNING id, changelist_id, status, updated_at) "
+        f"INSERT INTO dead_letters (pipeline, stage, entity_ref, error_class, error_message, retryable, attempts, "
+        f"first_failure_at, last_failure_at, created_at, updated_at) "
+        f"SELECT 'review_notifications', 'send', changelist_id || ':v1:d' || id, 'INVALID_RECIPIENT', "
+        f"'mailbox does not exist', false, 1, updated_at, updated_at, updated_at, updated_at "
+        f"FROM d WHERE status = 'failed'"), p)
     for pipeline in PIPELINES:  # what the drains' settles count, one upsert a batch
         observations.observe(conn, pipeline, "fetch", observations.DONE, count=n // 3)
 
@@ -255,8 +276,6 @@ def blocks_of(engine: sa.Engine, fn: Callable[[], object]) -> int:
     """Pages (shared buffers hit or read) the statements `fn` sends through `engine` touch, each run again under
     EXPLAIN (ANALYZE, BUFFERS) with its own parameters and rolled back: the work a call costs PostgreSQL, which
     neither a busy machine nor the server's background writes (checkpoints, autovacuum) change."""
-    import json
-
     sent: list[tuple[str, object]] = []
 
     def grab(conn, cursor, statement, params, context, executemany) -> None:  # type: ignore[no-untyped-def]
@@ -268,6 +287,31 @@ def blocks_of(engine: sa.Engine, fn: Callable[[], object]) -> int:
         fn()
     finally:
         sa.event.remove(engine, "before_cursor_execute", grab)
+    return explain_pages(engine, sent)
+
+
+def pages_sent(engine: sa.Engine, fn: Callable[[], object]) -> int:
+    """As `blocks_of`, for the statements `fn` sends to `engine`'s database through any engine of this process
+    (a sensor's resources open their own)."""
+    database = engine.url.database
+    sent: list[tuple[str, object]] = []
+
+    def grab(conn, cursor, statement, params, context, executemany) -> None:  # type: ignore[no-untyped-def]
+        if conn.engine.url.database == database and not executemany and \
+                statement.lstrip().upper().startswith(("SELECT", "WITH", "UPDATE", "INSERT", "DELETE")):
+            sent.append((statement, params))
+
+    sa.event.listen(sa.engine.Engine, "before_cursor_execute", grab)
+    try:
+        fn()
+    finally:
+        sa.event.remove(sa.engine.Engine, "before_cursor_execute", grab)
+    return explain_pages(engine, sent)
+
+
+def explain_pages(engine: sa.Engine, sent: list[tuple[str, object]]) -> int:
+    import json
+
     total = 0
     with engine.connect() as conn:
         tx = conn.begin()
@@ -279,6 +323,47 @@ def blocks_of(engine: sa.Engine, fn: Callable[[], object]) -> int:
         finally:
             tx.rollback()
     return total
+
+
+def sensor_pages(engine: sa.Engine, url: str, at: datetime) -> dict[str, int]:
+    """Pages of the soak's database each sensor's tick reads: every sensor of the code location, evaluated with
+    its own resources and the clock at the simulated day's end (SystemClock, which the sensors' runtime reads,
+    is set to it for the tick), after a tick one interval earlier whose cursor it gets, as the daemon's ticks
+    follow each other. A tick's work must follow what is due, not the months kept."""
+    import dagster as dg
+
+    from orchestration.definitions import build_definitions
+    from redrive import clock
+
+    defs = build_definitions(Settings(database_url=url))
+    repo = defs.get_repository_def()
+    out: dict[str, int] = {}
+    real = clock.SystemClock.now
+    now = [at]
+    clock.SystemClock.now = lambda self: now[0]  # type: ignore[method-assign]
+    try:
+        with dg.DagsterInstance.ephemeral() as instance:
+            for sensor in sorted(repo.sensor_defs, key=lambda x: x.name):
+                if isinstance(sensor, dg.RunStatusSensorDefinition):
+                    continue  # evaluated on a run's status, not on the database's rows
+                resources = {k: defs.resources[k] for k in sensor.required_resource_keys}
+                cursor: list[str | None] = [None]
+
+                def tick(sensor=sensor, resources=resources, cursor=cursor) -> None:
+                    with dg.build_sensor_context(instance=instance, resources=resources, cursor=cursor[0],
+                                                 repository_def=repo) as context:
+                        sensor(context)
+                        cursor[0] = context.cursor
+                try:
+                    now[0] = at - timedelta(seconds=sensor.minimum_interval_seconds or 30)
+                    tick()
+                    now[0] = at
+                    out[sensor.name] = pages_sent(engine, tick)
+                except Exception as exc:  # an S3/SQS sensor whose bucket or queue this scratch stack lacks
+                    print(f"    (sensor {sensor.name} not measured: {type(exc).__name__})", flush=True)
+    finally:
+        clock.SystemClock.now = real  # type: ignore[method-assign]
+    return out
 
 
 def quiesce(engine: sa.Engine, wait_seconds: float = 120.0) -> None:
@@ -340,6 +425,13 @@ def table_windows(conn: sa.Connection, rules: object, settings: Settings) -> dic
     return out
 
 
+def tick_growth(pages: dict[int, dict[str, int]], first: int, last: int) -> list[str]:
+    """The sensors whose tick reads more than 1.2 × its day-`first` pages (+5) at day `last`: a tick's work
+    must follow what is due now, not the months kept."""
+    return [name for name, before in sorted(pages[first].items())
+            if pages[last].get(name, 0) > 1.2 * before + 5]
+
+
 def steady_from(window: float, samples: tuple[int, ...], floor: int = 30) -> int | None:
     """Pure: the sample day from which a table with this window should hold steady (its window full, and not
     before the issue's day 30), if a later sample can show it."""
@@ -373,21 +465,26 @@ def days_part(engine: sa.Engine, pg: list[int], serve_url: str | None = None) ->
             with engine.connect() as conn:
                 rows = table_rows(conn)
                 size = conn.execute(sa.text("SELECT pg_database_size(current_database())")).scalar_one()
+            if serve_url and (not SERVE_AT or day in SERVE_AT):
+                # the window first: the calls sampled below then see the series and letters live traffic keeps
+                # (day 1 synthesized alone has 5 stage series; a deployment's first day of traffic has them all)
+                quiesce(engine)
+                windows[day] = serve_window(serve_url, day)
+                print_window(windows[day])
             quiesce(engine)
             claim, claim_cpu, claim_blocks = claim_ms(engine, end, pg)
             registry = build_registry(engine, FrozenClock(end))
             generate_latest(registry)  # warm
             scrape, scrape_cpu = cost(lambda registry=registry: generate_latest(registry), 15, pg)
             scrape_blocks = blocks_of(engine, lambda registry=registry: generate_latest(registry))
+            ticks = sensor_pages(engine, str(engine.url.render_as_string(hide_password=False)), end)
             samples[day] = {"rows": rows, "size": size, "claim": claim_cpu, "scrape": scrape_cpu,
-                            "claim_blocks": claim_blocks, "scrape_blocks": scrape_blocks}
+                            "claim_blocks": claim_blocks, "scrape_blocks": scrape_blocks, "ticks": ticks}
             print(f"  day {day:>3}: {sum(rows.values()):>9,} rows, {size / 2**20:7.1f} MiB, claim {claim:.2f} ms "
                   f"(CPU {claim_cpu:.2f}, {claim_blocks} pages), scrape {scrape:.2f} ms (CPU {scrape_cpu:.2f}, "
                   f"{scrape_blocks} pages), pruner "
-                  f"{statistics.median(prune_s[-7:]):.2f} s/day (median of the last week)", flush=True)
-            if serve_url and (not SERVE_AT or day in SERVE_AT):
-                windows[day] = serve_window(serve_url, day)
-                print_window(windows[day])
+                  f"{statistics.median(prune_s[-7:]):.2f} s/day (median of the last week); sensor ticks "
+                  f"{sum(ticks.values())} pages", flush=True)
     # the issue compares day 90 with day 30; a table fills for as long as its window (90 days for alerts,
     # resolved letters and idempotency records by default), so each is judged from the sample where its
     # window is full; a table still filling at the last sample is shown, not judged
@@ -428,6 +525,14 @@ def days_part(engine: sa.Engine, pg: list[int], serve_url: str | None = None) ->
         before, after = samples[steady_day][f"{what}_blocks"], samples[last][f"{what}_blocks"]
         checks[f"pages a {what} touches at day {last} ({after}) ≤ 1.2 × day {steady_day} ({before}, +5)"] = \
             after <= 1.2 * before + 5  # type: ignore[operator]
+    print(f"  pages each sensor's tick reads at days {', '.join(map(str, SAMPLES))}:")
+    tick_names = sorted(samples[first]["ticks"])  # type: ignore[arg-type]
+    for name in tick_names:
+        print(f"    {name:<36}" + "".join(f"{samples[d]['ticks'].get(name, 0):>8}" for d in SAMPLES))  # type: ignore[union-attr]
+    grown_ticks = tick_growth({d: samples[d]["ticks"] for d in SAMPLES}, first, last)  # type: ignore[misc]
+    checks[f"pages every sensor's tick reads at day {last} ≤ 1.2 × day {first} (+5)"] = not grown_ticks
+    if grown_ticks:
+        print(f"  grew: {', '.join(grown_ticks)}")
     if size_ref is not None:
         checks[f"database size at day {last} ≤ 1.2 × day {size_ref} (every window full)"] = \
             samples[last]["size"] <= 1.2 * samples[size_ref]["size"]  # type: ignore[operator]
@@ -465,6 +570,8 @@ class Window:
     ticks_ms: dict[str, float]  # each sensor's median tick (wall), from Dagster's tick records
     scrape_ms: float  # median of the window's scrapes through the metrics service
     exited: dict[str, int]
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds each service (and PostgreSQL) used
+    autovacuum: int = 0  # autovacuum workers seen at the window's half-minute samples, summed
 
 
 def tick_medians(dagster_url: str) -> dict[str, float]:
@@ -579,9 +686,13 @@ def serve_window(url: str, day: int) -> Window:
            "MATCHING_SENSOR_INTERVAL_SECONDS": "5", **KEEP_EVERYTHING}
     minutes: list[tuple[object, dict]] = []
     scrapes: list[float] = []
+    pg = postgres_pids(url)
+    autovacuum = 0
     with deployment(settings, home, only=tuple(s.name for s in SERVICES), workers=2, env=env) as topology:
         ctx.topology = topology
         dagster_url = topology.env["DAGSTER_PG_URL"]
+        pids = {name: [p.proc.pid] for name, p in topology.processes.items()} | {"postgresql": pg}
+        cpu = {name: cpu_of(v) for name, v in pids.items()}
         started = time.monotonic()
         for minute in range(max(1, round(SERVE_MINUTES))):
             ledgers = {name: chaos.Ledger(name) for name in live_shares()}
@@ -592,6 +703,9 @@ def serve_window(url: str, day: int) -> Window:
                 t = time.perf_counter()
                 httpx.get(f"{topology.metrics_url}/metrics", timeout=30).raise_for_status()
                 scrapes.append((time.perf_counter() - t) * 1000)
+                with engine.connect() as conn:
+                    autovacuum += conn.execute(sa.text("SELECT count(*) FROM pg_stat_activity "
+                                                       "WHERE backend_type = 'autovacuum worker'")).scalar_one()
                 time.sleep(max(0.0, started + minute * 60 + 30 * half - time.monotonic()))
         last = time.monotonic()
         deadline = last + SERVE_SETTLE_MINUTES * 60
@@ -603,10 +717,11 @@ def serve_window(url: str, day: int) -> Window:
         settle = time.monotonic() - last
         submitted, lost, duplicates = window_outcome(ctx, minutes)
         exited = topology.exited()
+        cpu = {name: cpu_of(v) - cpu[name] for name, v in pids.items()}
         ticks = tick_medians(dagster_url)
     engine.dispose()
     return Window(day, submitted, lost, duplicates, settle, ticks,
-                  statistics.median(scrapes) if scrapes else 0.0, exited)
+                  statistics.median(scrapes) if scrapes else 0.0, exited, cpu, autovacuum)
 
 
 def serve_verdicts(windows: dict[int, Window]) -> dict[str, bool]:
@@ -635,7 +750,8 @@ def print_window(w: Window) -> None:
     print(f"  day {w.day:>3}, make serve: " + ", ".join(
         f"{k} {w.submitted[k]} (lost {w.lost[k]}, dup {w.duplicates[k]})" for k in w.submitted)
         + f"; all finished {w.settle_s:.0f} s after the last submission; scrape {w.scrape_ms:.1f} ms; ticks "
-        + ", ".join(f"{k} {v:.0f}" for k, v in w.ticks_ms.items()) + " ms"
+        + ", ".join(f"{k} {v:.0f}" for k, v in w.ticks_ms.items()) + " ms; CPU s "
+        + ", ".join(f"{k} {v:.1f}" for k, v in sorted(w.cpu_s.items())) + f"; autovacuum workers seen {w.autovacuum}"
         + (f"; DIED: {w.exited}" if w.exited else ""), flush=True)
 
 

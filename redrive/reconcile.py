@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import sqlalchemy as sa
 
@@ -21,16 +21,22 @@ from redrive import deadletters
 from redrive.deadletters import FinalFailure
 from redrive.reliability import Reliability
 
-__all__ = ["DEFAULT_GRACE_SECONDS", "FailedForGood", "Repaired", "reconcile"]
+__all__ = ["DEFAULT_GRACE_SECONDS", "FailedForGood", "OVERLAP_SECONDS", "Repaired", "next_since", "reconcile"]
 
 log = logging.getLogger(__name__)
 
-FailedForGood = Callable[[sa.Connection, int], Sequence[FinalFailure]]
-"""``(conn, limit)`` → up to ``limit`` final failures with no dead letter, oldest first, each ``at`` its
-failure time (so the letter written for it satisfies :func:`redrive.deadletters.unrecorded`)."""
+FailedForGood = Callable[[sa.Connection, int, datetime | None], Sequence[FinalFailure]]
+"""``(conn, limit, since)`` → up to ``limit`` final failures with no dead letter, oldest first, each ``at`` its
+failure time (so the letter written for it satisfies :func:`redrive.deadletters.unrecorded`); with ``since``,
+only failures at or after it, read through an index on the failure time, so a pass costs what failed lately
+and not every failure the retention windows keep (issue 28)."""
 
 DEFAULT_GRACE_SECONDS = 60.0
 """Failures younger than this are left to the pipeline's own second commit, which is normally milliseconds away."""
+
+OVERLAP_SECONDS = 3600.0
+"""How far before the last complete pass the next one looks again: a failure's time may come from the
+database's clock or a worker's, and a pass must not step over one stamped a little in its past."""
 
 
 @dataclass(frozen=True)
@@ -46,18 +52,19 @@ def _still_missing(conn: sa.Connection, final: FinalFailure) -> bool:
 
 
 def reconcile(runtime: Reliability, sources: Mapping[str, FailedForGood], *, limit: int = 100,
-              grace_seconds: float = DEFAULT_GRACE_SECONDS) -> list[Repaired]:
+              grace_seconds: float = DEFAULT_GRACE_SECONDS, since: datetime | None = None) -> list[Repaired]:
     """Write the missing dead letter and alert of each entity the sources report; returns what was repaired.
 
     Idempotent under concurrent runs: each repair takes a transaction-scoped advisory lock on its
     entity and checks again under it, so a second reconciler (or the pipeline's own late write)
-    finds the letter and does nothing. Alerts are sent after commit (or by the alert sensor).
+    finds the letter and does nothing. Alerts are sent after commit (or by the alert sensor). With
+    ``since``, only failures from then on are looked at (the sensor's pass); without, all (`redrive reconcile`).
     """
     cutoff = runtime.now() - timedelta(seconds=grace_seconds)
     repaired: list[Repaired] = []
     for name, source in sources.items():
         with runtime.engine.connect() as conn:
-            candidates = [f for f in source(conn, limit) if f.at <= cutoff]
+            candidates = [f for f in source(conn, limit, since) if f.at <= cutoff]
         for final in candidates:
             with runtime.engine.begin() as conn:
                 conn.execute(sa.select(sa.func.pg_advisory_xact_lock(
@@ -71,3 +78,15 @@ def reconcile(runtime: Reliability, sources: Mapping[str, FailedForGood], *, lim
     if repaired:
         runtime.try_dispatch()
     return repaired
+
+
+def next_since(previous: datetime | None, started: datetime, repaired: Sequence[Repaired], limit: int, *,
+               grace_seconds: float = DEFAULT_GRACE_SECONDS, overlap_seconds: float = OVERLAP_SECONDS) -> datetime | None:
+    """Where the next pass starts: a little before this one's start (its grace and the overlap), or where
+    this one started when it took a full batch of some pipeline's (the rest of the backlog is still to come)."""
+    per_pipeline: dict[str, int] = {}
+    for r in repaired:
+        per_pipeline[r.pipeline] = per_pipeline.get(r.pipeline, 0) + 1
+    if any(n >= limit for n in per_pipeline.values()):
+        return previous
+    return started - timedelta(seconds=grace_seconds + overlap_seconds)

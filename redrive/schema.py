@@ -68,6 +68,11 @@ dead_letters = sa.Table(
     ),
     sa.Index("ix_dead_letters_triage", "pipeline", "status", "error_class", "last_failure_at"),
     sa.Index("ix_dead_letters_resolved", "resolved_at", postgresql_where=sa.text("status = 'resolved'")),  # pruner
+    # the open letters by pipeline and class with their oldest failure (a scrape, the backlog sensor): read from
+    # the index alone, not the letters' rows; and the replays the replay sensor starts, oldest first
+    sa.Index("ix_dead_letters_open", "pipeline", "error_class", "first_failure_at",
+             postgresql_where=sa.text("status <> 'resolved'")),
+    sa.Index("ix_dead_letters_replaying", "updated_at", "id", postgresql_where=sa.text("status = 'replaying'")),
 )
 
 alerts = sa.Table(

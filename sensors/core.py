@@ -28,7 +28,7 @@ from redrive.deadletters import DeadLetter, FinalFailure
 from redrive.drain_ops import DRAIN_TAG
 from redrive.failures import Code, Failure
 from redrive.metrics import PipelineSource
-from redrive.reconcile import FailedForGood, reconcile
+from redrive.reconcile import FailedForGood, next_since, reconcile
 from redrive.run_keys import REPLAY_SENSOR, due_work_sensor_name, run_key
 from redrive.sanitize import sanitize_text
 from redrive.stages import DEAD_LETTERED_TAG, DEFERRED_TAG, EXPECTED_FAILURE_TAG
@@ -429,8 +429,15 @@ def dead_letter_reconciliation_sensor(sources: Mapping[str, FailedForGood], *, l
                description="Finds entities of any pipeline marked failed for good without a dead letter (a crash "
                            "between two commits) and writes the missing dead letter and alert, once.")
     def _sensor(context: dg.SensorEvaluationContext, reliability: ReliabilityResource) -> dg.SkipReason:
-        """Gives every entity failed for good its dead letter and alert, if a crash between two commits lost them."""
-        repaired = reconcile(reliability.runtime(), sources, limit=limit)
+        """Gives every entity failed for good its dead letter and alert, if a crash between two commits lost them.
+        The cursor is where the last complete pass started (less its grace and an overlap), so a tick reads what
+        failed since, not every failure the retention windows keep; the first tick, with no cursor, reads all."""
+        runtime = reliability.runtime()
+        started = runtime.now()
+        since = datetime.fromisoformat(context.cursor) if context.cursor else None
+        repaired = reconcile(runtime, sources, limit=limit, since=since)
+        following = next_since(since, started, repaired, limit)
+        context.update_cursor(following.isoformat() if following else None)
         if not repaired:
             return dg.SkipReason(f"every failed entity of {', '.join(sources) or 'no pipeline'} has its dead letter")
         shown = ", ".join(f"{r.pipeline}/{r.entity_ref} -> dead letter {r.dead_letter_id}" for r in repaired[:10])

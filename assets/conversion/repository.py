@@ -81,6 +81,7 @@ conversion_jobs = sa.Table(
              postgresql_where=sa.text("status IN ('succeeded', 'failed') AND files_deleted_at IS NULL")),
     sa.Index("ix_conversion_jobs_finished", "updated_at",
              postgresql_where=sa.text("status IN ('succeeded', 'failed') AND files_deleted_at IS NOT NULL")),
+    sa.Index("ix_conversion_jobs_failed", "updated_at", postgresql_where=sa.text("status = 'failed'")),  # reconcile
 )
 
 conversion_job_events = sa.Table(
@@ -739,15 +740,16 @@ def owner_for(conn: sa.Connection, token: str) -> str | None:
 # ------------------------------------------------------------------------------------ reconciliation
 
 
-def failed_for_good(conn: sa.Connection, limit: int) -> list[FinalFailure]:
+def failed_for_good(conn: sa.Connection, limit: int, since: datetime | None = None) -> list[FinalFailure]:
     """Jobs ``failed`` (worker or reclaim) with no dead letter for that failure: a crash between the job's
     commit and the dead letter's (issue 13 item 3). `redrive.reconcile` writes what is missing."""
     j = conversion_jobs
-    rows = conn.execute(
-        sa.select(j.c.id, j.c.owner, j.c.error_code, j.c.error_message, j.c.attempt_count, j.c.updated_at)
-        .where(j.c.status == "failed", deadletters.unrecorded("conversion", sa.cast(j.c.id, sa.Text), j.c.updated_at))
-        .order_by(j.c.updated_at).limit(limit)
-    )
+    query = (sa.select(j.c.id, j.c.owner, j.c.error_code, j.c.error_message, j.c.attempt_count, j.c.updated_at)
+             .where(j.c.status == "failed",
+                    deadletters.unrecorded("conversion", sa.cast(j.c.id, sa.Text), j.c.updated_at)))
+    if since is not None:  # ix_conversion_jobs_failed
+        query = query.where(j.c.updated_at >= since)
+    rows = conn.execute(query.order_by(j.c.updated_at).limit(limit))
     return [FinalFailure(
         pipeline="conversion", stage="convert", entity_ref=str(r.id), attempts=r.attempt_count, at=r.updated_at,
         tenant=r.owner, failure=Failure(code=r.error_code or "UNKNOWN", retryable=False, retry_after=None,

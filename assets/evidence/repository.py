@@ -766,14 +766,14 @@ def forced_n2_jobs(conn: sa.Connection, since: datetime) -> list[FileJob]:
 # ------------------------------------------------------------------------------------ reconciliation
 
 
-def failed_for_good(conn: sa.Connection, limit: int) -> list[FinalFailure]:
+def failed_for_good(conn: sa.Connection, limit: int, since: datetime | None = None) -> list[FinalFailure]:
     """Settled rows with a final failure an operator can act on (not DATA: N2's) and no dead letter at all:
     the worker settles the artifacts, then dead-letters the row in a second transaction. A replayed row
     keeps its letter, so any letter counts. See `redrive.reconcile`."""
     a = file_job_artifact
     entity = sa.cast(a.c.file_job_id, sa.Text) + "/" + sa.cast(a.c.file_job_row_id, sa.Text)
     final_ops = sa.and_(a.c.retry_status == PERMANENT_FAILED, a.c.error_category != policy.DATA_CATEGORY)
-    rows = conn.execute(
+    query = (
         sa.select(a.c.file_job_id, a.c.file_job_row_id,
                   sa.func.array_agg(a.c.attachment_error_code).filter(final_ops).label("codes"),
                   sa.func.count().label("total"), sa.func.max(a.c.attempt_count).label("attempts"),
@@ -782,8 +782,11 @@ def failed_for_good(conn: sa.Connection, limit: int) -> list[FinalFailure]:
         .having(sa.func.bool_and(sa.or_(a.c.attachment_status == ATTACHED, a.c.retry_status == PERMANENT_FAILED)))
         .having(sa.func.count().filter(final_ops) > 0)
         .having(deadletters.unrecorded("evidence", entity))
-        .order_by(sa.func.max(a.c.updated_at)).limit(limit)
     )
+    if since is not None:  # the rows with an artifact settled since (ix_file_job_artifact_updated_at), all of each
+        recent = sa.select(a.c.file_job_id, a.c.file_job_row_id).where(a.c.updated_at >= since)
+        query = query.where(sa.tuple_(a.c.file_job_id, a.c.file_job_row_id).in_(recent))
+    rows = conn.execute(query.order_by(sa.func.max(a.c.updated_at)).limit(limit))
     out = []
     for r in rows:
         found = policy.row_final_code([c or "SYSTEM_ERROR" for c in r.codes])

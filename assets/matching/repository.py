@@ -67,6 +67,8 @@ document = sa.Table(
     ),
     sa.Index("ix_document_settled", "updated_at",
              postgresql_where=sa.text("matching_status IN ('succeeded', 'failed')")),  # the pruner's range
+    sa.Index("ix_document_failed", "matching_failed_at",
+             postgresql_where=sa.text("matching_status = 'failed'")),  # reconcile
 )
 
 # The LSH bands again, one row per (tenant, band, document), kept equal to `document.embedding_bands`
@@ -574,16 +576,16 @@ def status_counts(conn: sa.Connection, ids: Iterable[str]) -> dict[str | None, i
 # ------------------------------------------------------------------------------------ reconciliation
 
 
-def failed_for_good(conn: sa.Connection, limit: int) -> list[FinalFailure]:
+def failed_for_good(conn: sa.Connection, limit: int, since: datetime | None = None) -> list[FinalFailure]:
     """Documents ``failed`` with no dead letter for that failure (the worker marks the document, then
     dead-letters it in a second transaction; a crash between leaves this). See `redrive.reconcile`."""
-    rows = conn.execute(
-        sa.select(document.c.id, document.c.tenant, document.c.matching_error, document.c.matching_attempts,
-                  document.c.matching_failed_at)
-        .where(document.c.matching_status == FAILED, document.c.matching_failed_at.is_not(None),
-               deadletters.unrecorded(policy.PIPELINE, document.c.id, document.c.matching_failed_at))
-        .order_by(document.c.matching_failed_at).limit(limit)
-    )
+    query = (sa.select(document.c.id, document.c.tenant, document.c.matching_error, document.c.matching_attempts,
+                       document.c.matching_failed_at)
+             .where(document.c.matching_status == FAILED, document.c.matching_failed_at.is_not(None),
+                    deadletters.unrecorded(policy.PIPELINE, document.c.id, document.c.matching_failed_at)))
+    if since is not None:  # ix_document_failed
+        query = query.where(document.c.matching_failed_at >= since)
+    rows = conn.execute(query.order_by(document.c.matching_failed_at).limit(limit))
     out = []
     for r in rows:
         code = (r.matching_error or "UNKNOWN").split(":", 1)[0].strip() or "UNKNOWN"

@@ -68,6 +68,7 @@ review_deliveries = sa.Table(
     sa.CheckConstraint(f"status IN {policy.DELIVERY_STATUSES!r}", name="status"),
     sa.CheckConstraint("(status = 'sent') = (notified_at IS NOT NULL)", name="sent_iff_notified"),
     sa.Index("ix_review_deliveries_job_id_status", "job_id", "status"),
+    sa.Index("ix_review_deliveries_failed", "updated_at", postgresql_where=sa.text("status = 'failed'")),  # reconcile
     # the pruner's range: settled deliveries whose recipient is still an address
     sa.Index("ix_review_deliveries_personal", "updated_at",
              postgresql_where=sa.text("status IN ('sent', 'failed', 'waived', 'superseded') "
@@ -418,18 +419,18 @@ def status_counts(conn: sa.Connection, job_id: int) -> dict[str, int]:
 # ------------------------------------------------------------------------------------ reconciliation
 
 
-def failed_for_good(conn: sa.Connection, limit: int) -> list[FinalFailure]:
+def failed_for_good(conn: sa.Connection, limit: int, since: datetime | None = None) -> list[FinalFailure]:
     """Delivery rows ``failed`` with no dead letter at all. The sender dead-letters first and fails the row
     second (its clock, then the database's), so times cannot be compared; a failed row is final until a
     replay reopens its letter, so any letter counts. See `redrive.reconcile`."""
     d = review_deliveries
     ref = d.c.changelist_id + ":v" + sa.cast(d.c.review_version, sa.Text) + ":d" + sa.cast(d.c.id, sa.Text)
-    rows = conn.execute(
-        sa.select(d.c.id, d.c.changelist_id, d.c.review_version, d.c.attempts, d.c.last_error, d.c.updated_at,
-                  ref.label("ref"))
-        .where(d.c.status == policy.D_FAILED, deadletters.unrecorded(policy.PIPELINE, ref))
-        .order_by(d.c.updated_at).limit(limit)
-    )
+    query = (sa.select(d.c.id, d.c.changelist_id, d.c.review_version, d.c.attempts, d.c.last_error, d.c.updated_at,
+                       ref.label("ref"))
+             .where(d.c.status == policy.D_FAILED, deadletters.unrecorded(policy.PIPELINE, ref)))
+    if since is not None:  # ix_review_deliveries_failed
+        query = query.where(d.c.updated_at >= since)
+    rows = conn.execute(query.order_by(d.c.updated_at).limit(limit))
     out = []
     for r in rows:
         code = (r.last_error or "INTERNAL_ERROR").split(":", 1)[0].strip() or "INTERNAL_ERROR"

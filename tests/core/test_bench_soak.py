@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from bench.soak import Window, serve_verdicts, steady_from
+from bench.soak import Window, serve_verdicts, steady_from, tick_growth
 
 SAMPLES = (1, 30, 60, 90, 120)
 
@@ -44,3 +44,11 @@ def test_a_slower_scrape_a_lost_entity_a_duplicate_or_a_dead_service_fails_its_v
         verdicts = serve_verdicts({1: window(1), 90: last})
         assert [what for what, ok in verdicts.items() if not ok and key in what], (key, verdicts)
         assert sum(not ok for ok in verdicts.values()) == 1, (key, verdicts)
+
+
+def test_a_sensor_whose_tick_reads_more_pages_as_the_months_pass_is_named() -> None:
+    pages = {1: {"redrive_dead_letter_reconciliation": 137, "criticizer_due_work": 3, "redrive_stall_watch": 0},
+             120: {"redrive_dead_letter_reconciliation": 1374, "criticizer_due_work": 8, "redrive_stall_watch": 5}}
+    assert tick_growth(pages, 1, 120) == ["redrive_dead_letter_reconciliation"]  # 3 -> 8 and 0 -> 5: the floor
+    pages[120]["redrive_dead_letter_reconciliation"] = 169
+    assert tick_growth(pages, 1, 120) == []

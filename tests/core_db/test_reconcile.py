@@ -13,7 +13,7 @@ from redrive import deadletters
 from redrive.clock import FrozenClock
 from redrive.deadletters import FinalFailure
 from redrive.failures import Code, Failure
-from redrive.reconcile import reconcile
+from redrive.reconcile import Repaired, next_since, reconcile
 from redrive.reliability import Reliability
 from redrive.schema import alerts, dead_letters
 from tests.dagster_helpers import tick
@@ -119,6 +119,54 @@ def test_the_core_sensor_repairs_through_the_code_location(defs, instance, engin
     assert [(k.kind, k.entity_ref) for k in kinds] == [("dead_letter", job_id)]
     tick(defs, instance, "redrive_dead_letter_reconciliation")
     assert counts(engine) == (1, 1)
+
+
+def test_a_pass_since_reads_only_what_failed_from_then_on(engine) -> None:
+    """The sensor's pass reads the failures from its `since` on (an index on the failure time), so its cost is
+    what failed lately; a pass without `since` (the command) reads them all."""
+    clock = FrozenClock(START + timedelta(hours=3))
+    old = crashed_failure(engine, START)
+    recent = crashed_failure(engine, START + timedelta(hours=2))
+    runtime = Reliability(engine=engine, clock=clock)
+    assert [r.entity_ref for r in reconcile(runtime, SOURCES, since=START + timedelta(hours=1))] == [recent]
+    assert [r.entity_ref for r in reconcile(runtime, SOURCES, since=START + timedelta(hours=1))] == []
+    assert [r.entity_ref for r in reconcile(runtime, SOURCES)] == [old]
+    assert counts(engine) == (2, 2)
+
+
+def test_the_sensor_reads_from_its_cursor_after_a_first_full_pass(defs, instance, engine) -> None:
+    """The first tick (no cursor) reads every failure; its cursor makes the next read from a little before it
+    started: a new orphan is repaired, one stamped months before is left to `redrive dlq reconcile`."""
+    from orchestration.demo import evaluate_sensor_tick
+
+    first = crashed_failure(engine, START)
+    data = evaluate_sensor_tick(defs, instance, "redrive_dead_letter_reconciliation", None)
+    with engine.connect() as conn:
+        assert deadletters.active_for(conn, "conversion", first) is not None
+    since = datetime.fromisoformat(data.cursor)
+    now = datetime.now(UTC)
+    assert now - timedelta(hours=2) < since < now - timedelta(hours=1)  # its start, less grace and overlap
+    fresh = crashed_failure(engine, now - timedelta(minutes=10))
+    stale = crashed_failure(engine, START + timedelta(days=1))
+    evaluate_sensor_tick(defs, instance, "redrive_dead_letter_reconciliation", data.cursor)
+    with engine.connect() as conn:
+        assert deadletters.active_for(conn, "conversion", fresh) is not None
+        assert deadletters.active_for(conn, "conversion", stale) is None
+
+
+def test_the_next_pass_starts_before_this_one_unless_a_batch_was_full() -> None:
+    """Where the reconciliation sensor's next pass starts: this one's start less grace and overlap; where this
+    one started when some pipeline's batch was full (its backlog goes on next tick)."""
+    started = START + timedelta(days=3)
+    before = START
+    one = [Repaired("conversion", "j1", 1)]
+    assert next_since(before, started, one, limit=2, grace_seconds=60, overlap_seconds=3600) == \
+        started - timedelta(seconds=3660)
+    full = [Repaired("conversion", "j1", 1), Repaired("conversion", "j2", 2), Repaired("matching", "d", 3)]
+    assert next_since(before, started, full, limit=2) == before
+    assert next_since(None, started, full, limit=2) is None  # a first pass goes on reading everything
+    assert next_since(None, started, [], limit=2, grace_seconds=60, overlap_seconds=0) == \
+        started - timedelta(seconds=60)
 
 
 def test_command_reconciles_once(db_url, engine) -> None:
