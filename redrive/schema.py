@@ -73,6 +73,9 @@ dead_letters = sa.Table(
     sa.Index("ix_dead_letters_open", "pipeline", "error_class", "first_failure_at",
              postgresql_where=sa.text("status <> 'resolved'")),
     sa.Index("ix_dead_letters_replaying", "updated_at", "id", postgresql_where=sa.text("status = 'replaying'")),
+    # every letter of an entity, whatever its status: "has this failure a letter?" (redrive.deadletters.unrecorded,
+    # the reconciliation's probe per failure) is one index lookup, not a walk over the pipeline's letters
+    sa.Index("ix_dead_letters_entity", "pipeline", "entity_ref", "last_failure_at"),
 )
 
 alerts = sa.Table(

@@ -1,5 +1,6 @@
 """dead letters read by what is open, not by how many were ever written (issue 28): a scrape's and
-the backlog sensor's open letters from the index alone; the replays the replay sensor starts
+the backlog sensor's open letters from the index alone; the replays the replay sensor starts; every letter of
+an entity (the reconciliation's probe: one lookup per failure, not a walk over the pipeline's letters)
 
 Revision ID: 0014
 Revises: 0013
@@ -21,6 +22,7 @@ depends_on: str | Sequence[str] | None = None
 INDEXES: list[IndexSpec] = [
     ('ix_dead_letters_open', 'dead_letters', ['pipeline', 'error_class', 'first_failure_at'], "status <> 'resolved'"),
     ('ix_dead_letters_replaying', 'dead_letters', ['updated_at', 'id'], "status = 'replaying'"),
+    ('ix_dead_letters_entity', 'dead_letters', ['pipeline', 'entity_ref', 'last_failure_at'], None),
 ]
 
 
