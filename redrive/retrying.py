@@ -3,6 +3,12 @@
 The loop retries only what the classifier calls retryable, waits what the policy says (stretched by a
 server's ``Retry-After``), sleeps through the injected ``sleep`` so tests never wait, and on giving
 up raises a typed :class:`~redrive.failures.RedriveError` ``from`` the last exception.
+
+Every call after the first is a retry to whatever upstream it reaches (`redrive.upstreams.retrying`), so
+it counts against that upstream's retry budget (issue 26 §4). A retry the budget holds back raises
+:class:`~redrive.upstream_policy.RetryDeferred` before anything is sent: it is no failure and spends no
+attempt; the caller's ``on_deferred`` waits it out and the same attempt goes again, or, without one, it
+passes through untouched to a caller that defers the whole entity (the drain).
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ from typing import TypeVar
 
 import tenacity
 
+from redrive import upstreams
 from redrive.backoff import BackoffPolicy
 from redrive.clock import Sleep
 from redrive.failures import Failure, RedriveError
+from redrive.upstream_policy import RetryDeferred
 
 __all__ = ["call_with_retries"]
 
@@ -33,6 +41,7 @@ def call_with_retries(
     rng: random.Random | None = None,
     on_retry: Callable[[Failure, int, float], None] | None = None,
     max_server_delay: float | None = None,
+    on_deferred: Callable[[RetryDeferred], None] | None = None,
 ) -> T:
     """Call ``fn`` up to ``max_attempts`` times (first call included) and return its result.
 
@@ -42,6 +51,10 @@ def call_with_retries(
     A server that asks (``Retry-After``) for more than ``max_server_delay`` seconds ends the loop at
     once, the failure still retryable: a caller with a longer-lived retry (SQS visibility, a durable
     timer) takes over instead of holding the work while it waits.
+
+    Calls after the first are marked as retries to the upstream (its retry budget). When the budget holds
+    one back, ``on_deferred(deferred)`` is called (it waits, e.g. ``deferred.due_after``) and the same
+    attempt is made again; without ``on_deferred`` the :class:`RetryDeferred` is raised as it is.
 
     Raises the :class:`RedriveError` subclass matching the last failure, ``from`` the last exception,
     with ``.attempts`` set to the number of calls made. ``BaseException`` that is not an
@@ -65,7 +78,7 @@ def call_with_retries(
         if outcome is None or not outcome.failed:
             return False
         exc = outcome.exception()
-        return isinstance(exc, Exception) and failure_of(exc).retryable
+        return isinstance(exc, Exception) and not isinstance(exc, RetryDeferred) and failure_of(exc).retryable
 
     def wait(state: tenacity.RetryCallState) -> float:
         outcome = state.outcome
@@ -83,7 +96,16 @@ def call_with_retries(
     def attempt() -> T:
         nonlocal calls
         calls += 1
-        return fn()
+        while True:
+            try:
+                if calls == 1:
+                    return fn()  # as the caller marked it (a drain's later attempt is a retry already)
+                with upstreams.retrying():
+                    return fn()
+            except RetryDeferred as deferred:
+                if on_deferred is None:
+                    raise
+                on_deferred(deferred)  # nothing was sent: the same attempt, once the budget has room
 
     def server_asks_too_long(state: tenacity.RetryCallState) -> bool:
         exc = state.outcome.exception() if state.outcome is not None else None
@@ -100,5 +122,7 @@ def call_with_retries(
     )
     try:
         return retrying(attempt)
+    except RetryDeferred:
+        raise
     except Exception as exc:
         raise RedriveError.of(failure_of(exc), attempts=calls) from exc

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from assets.matching import policy, repository
 from assets.matching.policy import PIPELINE, Action, Embedder, MatchDecision, MatchingMessage, Prepared
 from assets.matching.repository import WriteHooks, WriteResult
-from redrive import logs, observations
+from redrive import logs, observations, upstreams
 from redrive.backoff import MATCHING_LLM_BACKOFF, MATCHING_VISIBILITY_BACKOFF
 from redrive.clock import Sleep
 from redrive.failures import Code, Failure, classify_exception
@@ -42,6 +42,7 @@ from redrive.group_commit import GroupCommit
 from redrive.reliability import Reliability
 from redrive.retrying import call_with_retries
 from redrive.sanitize import sanitize_exception
+from redrive.upstream_policy import RetryDeferred
 from redrive.settle import Budget, Settled, Verdict, Write, settle
 from redrive.vocabularies import MATCHING
 from resources.llm import LlmResource
@@ -402,12 +403,27 @@ class Worker:
                 except Exception:  # noqa: BLE001 - a missed heartbeat costs a duplicate delivery, not data
                     self.log.warning(f"matching: visibility heartbeat for {doc['id']} failed")
 
+        rng = self.runtime.rng_for(f"{PIPELINE}:{doc['id']}:llm:{doc['matching_attempts']}")
+
+        def hold(deferred: RetryDeferred) -> None:
+            """The LLM's retry budget is spent: this retry waits here, the message kept hidden, and spends
+            neither an LLM attempt nor a delivery (SQS would count a delivery toward the DLQ)."""
+            calls[0] -= 1  # nothing was sent
+            self.log.info(f"matching: {doc['id']} retry held back by the LLM's retry budget")
+            if message is not None:
+                try:
+                    self.queue.change_visibility(message.receipt_handle, self.config.visibility_timeout)
+                except Exception:  # noqa: BLE001 - a missed heartbeat costs a duplicate delivery, not data
+                    self.log.warning(f"matching: visibility heartbeat for {doc['id']} failed")
+            self.sleep(deferred.due_after(rng))
+
         # 000 as written: a Retry-After longer than the in-process backoff honours ends these retries;
-        # the visibility step (5 / 30 min) takes over.
-        return call_with_retries(ask, classify=classify, policy=MATCHING_LLM_BACKOFF,
-                                 max_attempts=self.config.llm_max_attempts, sleep=self.sleep,
-                                 rng=self.runtime.rng_for(f"{PIPELINE}:{doc['id']}:llm:{doc['matching_attempts']}"),
-                                 on_retry=on_retry, max_server_delay=MATCHING_LLM_BACKOFF.retry_after_ceiling)
+        # the visibility step (5 / 30 min) takes over. A redelivery's first call is a retry to the LLM too.
+        with upstreams.retrying(doc["matching_attempts"] > 1):
+            return call_with_retries(ask, classify=classify, policy=MATCHING_LLM_BACKOFF,
+                                     max_attempts=self.config.llm_max_attempts, sleep=self.sleep, rng=rng,
+                                     on_retry=on_retry, max_server_delay=MATCHING_LLM_BACKOFF.retry_after_ceiling,
+                                     on_deferred=hold)
 
     # -- after a failure -----------------------------------------------------------------------
 

@@ -188,3 +188,40 @@ def test_each_exception_is_classified_once() -> None:
     fn = fail_n_times(2, timeout, "ok")
     call_with_retries(fn, classify=classify, policy=FixedSchedule((1.0,)), max_attempts=3, sleep=Sleeps(), on_retry=lambda *a: None)
     assert len(calls) == 2 and len({id(e) for e in calls}) == 2
+
+
+def test_calls_after_the_first_are_retries_to_the_upstream_and_a_held_back_one_spends_no_attempt() -> None:
+    """Issue 26 §4: the second call runs marked as a retry (the upstream's budget counts it); when the budget
+    holds it back (RetryDeferred, nothing sent), `on_deferred` waits and the same attempt goes again, so
+    max_attempts=2 still allows the one real retry."""
+    from redrive import upstreams
+    from redrive.upstream_policy import RetryDeferred
+
+    marked: list[bool] = []
+    held: list[float] = []
+    outcomes = iter([httpx.ConnectError("down"), RetryDeferred("llm", 10.0), RetryDeferred("llm", 10.0), "ok"])
+
+    def call() -> str:
+        marked.append(upstreams._RETRYING.get())
+        outcome = next(outcomes)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    result = call_with_retries(call, classify=classify_exception, policy=FixedSchedule((1.0,)), max_attempts=2,
+                               sleep=lambda s: None, on_deferred=lambda d: held.append(d.wait))
+    assert result == "ok" and marked == [False, True, True, True] and held == [10.0, 10.0]
+
+
+def test_without_on_deferred_a_held_back_retry_passes_through_unclassified() -> None:
+    """The drain defers the whole entity: it must see the RetryDeferred itself, not a RedriveError."""
+    from redrive.upstream_policy import RetryDeferred
+
+    outcomes = iter([httpx.ConnectError("down"), RetryDeferred("mail", 10.0)])
+
+    def call() -> None:
+        raise next(outcomes)
+
+    with pytest.raises(RetryDeferred):
+        call_with_retries(call, classify=classify_exception, policy=FixedSchedule((1.0,)), max_attempts=3,
+                          sleep=lambda s: None)

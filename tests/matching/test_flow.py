@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import sqlalchemy as sa
 
 from assets.matching import repository
@@ -286,3 +287,51 @@ def test_alert_only_once_per_failed_document(engine, queue, sandbox, make_worker
     assert letter.occurrences == 2
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(alerts)).scalar() == 1
+
+
+def test_an_llm_retry_over_the_budget_waits_in_process_and_spends_no_attempt(engine, queue, sandbox,
+                                                                            make_worker) -> None:
+    """The LLM's retry budget (issue 26 §4) has room for one failing retry in 10 s and another entity spent it:
+    d-2's first call fails (503), its in-process retry is held back before anything is sent, the message kept
+    hidden, and goes once the window has room. One delivery, two LLM requests, no attempt spent on the hold."""
+    from datetime import UTC, datetime
+
+    import httpx
+
+    from redrive import upstreams as up
+    from redrive.clock import FrozenClock
+
+    two_documents(engine, queue)
+    sandbox.set_default("llm", content=MATCH_FIRST)
+    sandbox.script("llm", {"status": 503})
+    clock = FrozenClock(datetime(2026, 11, 28, 12, 0, tzinfo=UTC))
+    sleeps = Sleeps()
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        clock.advance(seconds)
+
+    budget = up.Upstreams(engine, {"llm": up.UpstreamLimits(retry_share=0.0, retry_floor_per_second=0.1,
+                                                            retry_window_seconds=10)}, clock=clock, sleep=sleep)
+
+    def down() -> None:
+        raise httpx.ConnectError("the upstream is down")
+
+    worker = make_worker(sleep=sleep)
+    heartbeats: list[int] = []
+    extend = queue.change_visibility
+    worker.queue.change_visibility = lambda handle, seconds: (heartbeats.append(seconds), extend(handle, seconds))
+    up.install(budget)
+    try:
+        with up.retrying(), pytest.raises(httpx.ConnectError):
+            budget.call("llm", down)  # another entity's failing retry spends the window's one
+        outcome = worker.handle(receive_one(queue))
+    finally:
+        up.install(None)
+    assert (outcome.action, outcome.llm_calls) == (Action.SUCCEEDED, 2)
+    assert [r["step"] for r in sandbox.requests("llm")] == ["status:503", "ok"]
+    assert sleeps[0] == 2.0 and len(sleeps) >= 2 and sum(sleeps) >= 10 - 2  # the backoff, then the hold(s)
+    assert len(heartbeats) == len(sleeps)  # the message kept hidden before every wait
+    assert row(engine, "d-2")["matching_attempts"] == 1 and dead_letter_rows(engine) == []
+    with engine.connect() as conn:
+        assert up.states(conn, clock.now())[0].retries_denied == len(sleeps) - 1

@@ -229,6 +229,40 @@ def test_transient_failure_past_the_budget_stops_the_pass_for_the_job_level_retr
     one_per_recipient(sandbox)
 
 
+def test_an_in_process_retry_over_the_mail_budget_is_not_sent_and_leaves_the_job_to_the_drain(
+        engine, sandbox, deliverer, clock) -> None:
+    """Issue 26 §4: a row's in-process retry is a retry to the mail provider. With the budget spent (room for one
+    failing retry in 10 s, taken by another entity), bo's retry after its 503 is held back before anything is
+    sent: the pass raises RetryDeferred (the drain makes the job due later, no attempt spent), bo stays
+    `sending` and is looked up first on the next pass, which sends each recipient once."""
+    import httpx
+
+    from redrive import upstreams as up
+
+    job = make_job(engine)
+    budget = up.Upstreams(engine, {"mail": up.UpstreamLimits(retry_share=0.0, retry_floor_per_second=0.1,
+                                                             retry_window_seconds=10)}, clock=clock, sleep=clock.sleep)
+
+    def down() -> None:
+        raise httpx.ConnectError("the provider is down")
+
+    sandbox.script("mail.send", {"kind": "ok"}, {"status": 503})
+    up.install(budget)
+    try:
+        with up.retrying(), pytest.raises(httpx.ConnectError):
+            budget.call("mail", down)
+        with pytest.raises(up.RetryDeferred):
+            deliverer.deliver(job)
+        assert len(sandbox.requests("mail.send")) == 2  # ana, bo's 503; bo's retry not sent
+        assert [r.status for r in rows(engine, job.id)] == ["sent", "sending", "pending"]
+        clock.advance(11)  # the window has room again
+        later = deliverer.deliver(job)
+    finally:
+        up.install(None)
+    assert (later.sent, later.backfilled, later.transient) == (2, 0, None)
+    one_per_recipient(sandbox)
+
+
 @pytest.mark.parametrize(("step", "error_class"), [
     (None, "INVALID_RECIPIENT"),  # the sandbox refuses the undeliverable domain with 422
     ({"status": 422, "error_code": "content_policy_violation"}, "POLICY_REJECTED"),
