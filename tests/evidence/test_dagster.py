@@ -282,3 +282,37 @@ def test_a_file_job_run_that_dies_is_rerun_whatever_the_instance_default(fast_de
 
         assert dies("evidence_file_job") == "true"
         assert dies("criticizer_job") == "false"
+
+
+def test_a_run_ending_during_the_due_tick_gets_no_second_run(driver, instance, engine) -> None:
+    """The due sensor reads a file job's active runs before its due rows. File job P's run is working when the tick
+    starts and ends (its rows done) just after the tick read the due rows: P gets no empty second run; Q, due and
+    idle, gets its run. (In the other order P's rows were read due, then its run looked idle: a run of nothing.)"""
+    from datetime import timedelta
+
+    from redrive import work
+
+    p, q = str(uuid.uuid4()), str(uuid.uuid4())
+    instance.add_dynamic_partitions("evidence_file_jobs", [p, q])
+    with engine.begin() as conn:
+        work.enqueue_many(conn, "evidence", [(f"{p}/r1", p), (f"{q}/r1", q)],
+                          now=datetime.now(UTC) - timedelta(seconds=5))
+    job = driver.defs.resolve_job_def("evidence_file_job")
+    working = instance.create_run_for_job(job, run_config={}, tags={"dagster/partition": p},
+                                          status=dg.DagsterRunStatus.STARTED)
+    ended: list[bool] = []
+
+    def run_ends(conn, cursor, statement, parameters, context, executemany) -> None:  # type: ignore[no-untyped-def]
+        if "group_key" in statement and "GROUP BY" in statement and not ended:
+            ended.append(True)  # P's run finishes its rows and ends, right after the due read
+            with engine.begin() as c:
+                c.execute(sa.update(W).where(W.c.group_key == p).values(status="done"))
+            instance.delete_run(working.run_id)
+
+    sa.event.listen(sa.engine.Engine, "after_cursor_execute", run_ends)
+    try:
+        requests = driver.tick("evidence_due_work")
+    finally:
+        sa.event.remove(sa.engine.Engine, "after_cursor_execute", run_ends)
+    assert ended == [True]
+    assert [r.partition_key for r in requests] == [q]
