@@ -518,9 +518,10 @@ def days_part(engine: sa.Engine, pg: list[int], serve_url: str | None = None) ->
         f"rows of every table at day {last} ≤ 1.2 × the day its window was full ({len(steady)} tables)": not grown,
         f"claim's CPU at day {last} ≤ 1.2 × day {first} (+1 ms)":
             samples[last]["claim"] <= 1.2 * samples[first]["claim"] + 1.0,  # type: ignore[operator]
-        f"scrape's CPU at day {last} ≤ 1.2 × day {first} (+1 ms)":
-            samples[last]["scrape"] <= 1.2 * samples[first]["scrape"] + 1.0,  # type: ignore[operator]
     }
+    if not windows:  # with live windows, the deployment's own scrape is judged (serve_verdicts), see below
+        checks[f"scrape's CPU at day {last} ≤ 1.2 × day {first} (+1 ms)"] = \
+            samples[last]["scrape"] <= 1.2 * samples[first]["scrape"] + 1.0  # type: ignore[operator]
     # pages against day 30: a scrape reads the open dead letters, which fill for two days (operators resolve
     # them after two) and are then steady; what must not grow from there is the cost of the history
     steady_day = 30 if 30 in samples and 30 != last else first
@@ -533,9 +534,14 @@ def days_part(engine: sa.Engine, pg: list[int], serve_url: str | None = None) ->
     for name in tick_names:
         print(f"    {name:<36}" + "".join(f"{samples[d]['ticks'].get(name, 0):>8}" for d in SAMPLES))  # type: ignore[union-attr]
     grown_ticks = tick_growth({d: samples[d]["ticks"] for d in SAMPLES}, first, last)  # type: ignore[misc]
-    checks[f"pages every sensor's tick reads at day {last} ≤ 1.2 × day {first} (+5)"] = not grown_ticks
+    if not windows:
+        checks[f"pages every sensor's tick reads at day {last} ≤ 1.2 × day {first} (+5)"] = not grown_ticks
     if grown_ticks:
         print(f"  grew: {', '.join(grown_ticks)}")
+    if windows:  # every window's live rows are dated today, after the simulated months: each later sample reads
+        # them all as the newest work (two windows' at day 30, one at day 1); `--part days` judges the history alone
+        print("  (the in-process scrape's CPU and the ticks' pages are not judged with live windows: the windows' rows, "
+              "dated today, add up across samples; --part days judges them on the history alone)")
     if size_ref is not None:
         checks[f"database size at day {last} ≤ 1.2 × day {size_ref} (every window full)"] = \
             samples[last]["size"] <= 1.2 * samples[size_ref]["size"]  # type: ignore[operator]
@@ -575,6 +581,7 @@ class Window:
     exited: dict[str, int]
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds each service (and PostgreSQL) used
     autovacuum: int = 0  # autovacuum workers seen at the window's half-minute samples, summed
+    runs: dict[str, int] = field(default_factory=dict)  # the window's Dagster runs by job (its storage is new)
 
 
 def tick_medians(dagster_url: str) -> dict[str, float]:
@@ -594,6 +601,20 @@ def tick_medians(dagster_url: str) -> dict[str, float]:
         if name and tick.get("end_timestamp"):
             spans.setdefault(name, []).append((tick["end_timestamp"] - tick["timestamp"]) * 1000)
     return {name: statistics.median(v) for name, v in sorted(spans.items())}
+
+
+def runs_by_job(dagster_url: str) -> dict[str, int]:
+    """The deployment's runs by job name, status and whether the run re-runs a failed one: what the run
+    workers' CPU was spent on."""
+    engine = sa.create_engine(dagster_url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            return {f"{job} {status.lower()}{' retry' if retry else ''}": n for job, status, retry, n in conn.execute(
+                sa.text("SELECT r.pipeline_name, r.status, EXISTS (SELECT 1 FROM run_tags t WHERE t.run_id = r.run_id "
+                        "AND t.key = 'dagster/parent_run_id'), count(*) FROM runs r GROUP BY 1, 2, 3 ORDER BY 1, 2, 3"))
+                .tuples().all()}
+    finally:
+        engine.dispose()
 
 
 def window_outcome(ctx, minutes: list[tuple[object, dict]]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:  # type: ignore[no-untyped-def]
@@ -722,9 +743,10 @@ def serve_window(url: str, day: int) -> Window:
         exited = topology.exited()
         cpu = {name: cpu_of(v) - cpu[name] for name, v in pids.items()}
         ticks = tick_medians(dagster_url)
+        runs = runs_by_job(dagster_url)
     engine.dispose()
     return Window(day, submitted, lost, duplicates, settle, ticks,
-                  statistics.median(scrapes) if scrapes else 0.0, exited, cpu, autovacuum)
+                  statistics.median(scrapes) if scrapes else 0.0, exited, cpu, autovacuum, runs)
 
 
 def serve_verdicts(windows: dict[int, Window]) -> dict[str, bool]:
@@ -755,6 +777,7 @@ def print_window(w: Window) -> None:
         + f"; all finished {w.settle_s:.0f} s after the last submission; scrape {w.scrape_ms:.1f} ms; ticks "
         + ", ".join(f"{k} {v:.0f}" for k, v in w.ticks_ms.items()) + " ms; CPU s "
         + ", ".join(f"{k} {v:.1f}" for k, v in sorted(w.cpu_s.items())) + f"; autovacuum workers seen {w.autovacuum}"
+        + "; runs " + ", ".join(f"{k} {v}" for k, v in w.runs.items())
         + (f"; DIED: {w.exited}" if w.exited else ""), flush=True)
 
 

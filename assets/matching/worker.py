@@ -37,7 +37,7 @@ from assets.matching.repository import WriteHooks, WriteResult
 from redrive import logs, observations, upstreams
 from redrive.backoff import MATCHING_LLM_BACKOFF, MATCHING_VISIBILITY_BACKOFF
 from redrive.clock import Sleep
-from redrive.failures import Code, Failure, classify_exception
+from redrive.failures import Code, Failure, RetryableError, classify_exception
 from redrive.group_commit import GroupCommit
 from redrive.reliability import Reliability
 from redrive.retrying import call_with_retries
@@ -50,6 +50,7 @@ from resources.matching import MatchingQueue, ReceivedMessage
 
 _log = logging.getLogger(__name__)
 STAGE = "match"
+MAX_HOLDS = 6  # a retry held back by the LLM's retry budget waits about this many budget windows in the worker
 
 
 def classify(exc: BaseException) -> Failure:
@@ -404,11 +405,19 @@ class Worker:
                     self.log.warning(f"matching: visibility heartbeat for {doc['id']} failed")
 
         rng = self.runtime.rng_for(f"{PIPELINE}:{doc['id']}:llm:{doc['matching_attempts']}")
+        holds = [0]
 
         def hold(deferred: RetryDeferred) -> None:
             """The LLM's retry budget is spent: this retry waits here, the message kept hidden, and spends
-            neither an LLM attempt nor a delivery (SQS would count a delivery toward the DLQ)."""
+            neither an LLM attempt nor a delivery (SQS would count a delivery toward the DLQ). Held MAX_HOLDS
+            times (a budget that stays spent), it ends the in-process retries as a long Retry-After does, and
+            000's visibility step takes over."""
             calls[0] -= 1  # nothing was sent
+            holds[0] += 1
+            if holds[0] > MAX_HOLDS:
+                raise RetryableError(Failure.of(
+                    Code.RATE_LIMITED, message="the LLM's retry budget stayed spent",
+                    retry_after=MATCHING_LLM_BACKOFF.retry_after_ceiling + deferred.wait)) from deferred
             self.log.info(f"matching: {doc['id']} retry held back by the LLM's retry budget")
             if message is not None:
                 try:

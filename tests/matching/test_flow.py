@@ -335,3 +335,37 @@ def test_an_llm_retry_over_the_budget_waits_in_process_and_spends_no_attempt(eng
     assert row(engine, "d-2")["matching_attempts"] == 1 and dead_letter_rows(engine) == []
     with engine.connect() as conn:
         assert up.states(conn, clock.now())[0].retries_denied == len(sleeps) - 1
+
+
+def test_a_retry_budget_that_stays_spent_hands_the_document_to_the_visibility_step(engine, queue, sandbox,
+                                                                                  make_worker) -> None:
+    """No room for any retry (share 0, floor 0): the retry after the 503 is held MAX_HOLDS times, never sent,
+    then the delivery ends as a transient failure and 000's first visibility step (5 min) takes over."""
+    from datetime import UTC, datetime
+
+    from assets.matching.worker import MAX_HOLDS
+    from redrive import upstreams as up
+    from redrive.clock import FrozenClock
+
+    two_documents(engine, queue)
+    sandbox.set_default("llm", content=MATCH_FIRST)
+    sandbox.script("llm", {"status": 503})
+    clock = FrozenClock(datetime(2026, 11, 28, 12, 0, tzinfo=UTC))
+    sleeps = Sleeps()
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        clock.advance(seconds)
+
+    budget = up.Upstreams(engine, {"llm": up.UpstreamLimits(retry_share=0.0, retry_floor_per_second=0.0)},
+                          clock=clock, sleep=sleep)
+    worker = make_worker(sleep=sleep)
+    up.install(budget)
+    try:
+        outcome = worker.handle(receive_one(queue))
+    finally:
+        up.install(None)
+    assert (outcome.action, outcome.visibility, outcome.llm_calls) == (Action.RETRY_LATER, 300, 1)
+    assert [r["step"] for r in sandbox.requests("llm")] == ["status:503"]
+    assert len(sleeps) == 1 + MAX_HOLDS  # the backoff, then each hold
+    assert row(engine, "d-2")["matching_status"] == "pending" and dead_letter_rows(engine) == []
