@@ -17,6 +17,7 @@ import dagster as dg
 from dagster_aws.s3 import S3Resource
 
 from assets.evidence import pipeline, policy, service
+from assets.evidence import repository as repo
 from assets.evidence.settings import EvidenceOptions, EvidenceSettings
 from redrive.clock import SystemClock
 from redrive.run_keys import run_key
@@ -62,8 +63,10 @@ def inbox_sensor(settings: EvidenceSettings, bucket: str, *, minimum_interval_se
                default_status=dg.DefaultSensorStatus.RUNNING,
                description="004 §2: each new file-job ZIP under the S3 inbox prefix becomes a file-job partition "
                            "and its first run (ingest, then the first attach pass).")
-    def _sensor(context: dg.SensorEvaluationContext, s3: S3Resource):
-        """New file-job ZIPs under the inbox prefix become file-job partitions and ingest runs."""
+    def _sensor(context: dg.SensorEvaluationContext, s3: S3Resource, reliability: ReliabilityResource):
+        """New file-job ZIPs under the inbox prefix become file-job partitions and ingest runs. A ZIP whose file
+        job is recorded already is not asked again: a lost cursor (a reset sensor, a new Dagster storage) would
+        otherwise start one empty ingest run for every ZIP the inbox ever held."""
         client = s3.get_client()
         objects: list[dict] = []
         try:
@@ -76,10 +79,16 @@ def inbox_sensor(settings: EvidenceSettings, bucket: str, *, minimum_interval_se
         fresh, cursor = new_zips(objects, context.cursor)
         if not fresh:
             return dg.SkipReason(f"no new ZIP under s3://{inbox_bucket}/{prefix}")
+        ids = {obj["Key"]: policy.file_job_id(inbox_bucket, obj["Key"], str(obj.get("ETag", "")).strip('"'))
+               for obj in fresh}
+        with reliability.runtime().engine.connect() as conn:
+            known = repo.known_file_jobs(conn, list(ids.values()))
         requests, keys = [], []
         for obj in fresh:
+            if ids[obj["Key"]] in known:
+                continue
             etag = str(obj.get("ETag", "")).strip('"')
-            job_id = str(policy.file_job_id(inbox_bucket, obj["Key"], etag))
+            job_id = str(ids[obj["Key"]])
             keys.append(job_id)
             cfg = {"bucket": inbox_bucket, "key": obj["Key"], "etag": etag}
             requests.append(dg.RunRequest(
@@ -88,6 +97,9 @@ def inbox_sensor(settings: EvidenceSettings, bucket: str, *, minimum_interval_se
                 run_config={"ops": {"ingest_file_job": {"config": cfg}, "send_file_job_notifications": {"config": {}}}},
                 tags={"redrive/pipeline": pipeline.PIPELINE, "evidence/source_key": obj["Key"][-200:]},
             ))
+        if not requests:
+            return dg.SensorResult(skip_reason=f"{len(fresh)} ZIP(s) under s3://{inbox_bucket}/{prefix} ingested "
+                                               "already", cursor=cursor)
         return dg.SensorResult(run_requests=requests, cursor=cursor,
                                dynamic_partitions_requests=[pipeline.file_jobs.build_add_request(keys)])
 

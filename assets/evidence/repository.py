@@ -296,6 +296,13 @@ def upsert_file_job(conn: sa.Connection, job_id: UUID, *, bucket: str, key: str,
     return job
 
 
+def known_file_jobs(conn: sa.Connection, job_ids: list[UUID]) -> set[UUID]:
+    """Which of these file jobs are recorded (ingested, or being ingested): one lookup by primary key."""
+    if not job_ids:
+        return set()
+    return set(conn.execute(sa.select(file_job.c.id).where(file_job.c.id.in_(job_ids))).scalars())
+
+
 def get_file_job(conn: sa.Connection, job_id: UUID, *, lock: bool = False) -> FileJob | None:
     q = sa.select(file_job).where(file_job.c.id == job_id)
     row = conn.execute(q.with_for_update() if lock else q).first()

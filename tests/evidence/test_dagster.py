@@ -316,3 +316,17 @@ def test_a_run_ending_during_the_due_tick_gets_no_second_run(driver, instance, e
         sa.event.remove(sa.engine.Engine, "after_cursor_execute", run_ends)
     assert ended == [True]
     assert [r.partition_key for r in requests] == [q]
+
+
+def test_a_lost_inbox_cursor_asks_for_no_zip_ingested_already(driver, s3, bucket, inbox, engine) -> None:
+    """The inbox sensor's cursor lost (a reset sensor, a new Dagster storage): the ZIP ingested before gets no second
+    (empty) ingest run; a ZIP dropped since still gets its first."""
+    first, _ = ingest(driver, s3, bucket, inbox, "ka", rows=1, per_row=1)
+    driver.cursors["evidence_inbox"] = None
+    assert driver.tick("evidence_inbox") == []
+    data, _ = standard_job("kb", 1, 1)
+    put_zip(s3, bucket, f"{inbox}kb.zip", data)
+    driver.cursors["evidence_inbox"] = None
+    [request] = driver.tick("evidence_inbox")
+    assert request.partition_key != first and request.run_config["ops"]["ingest_file_job"]["config"]["key"].endswith(
+        "kb.zip")
