@@ -395,14 +395,17 @@ class Worker:
             calls[0] += 1
             return self.llm.chat_json(messages, schema, client=self.http)
 
-        def on_retry(failure: Failure, attempt: int, delay: float) -> None:
-            self.log.info(f"matching: {doc['id']} LLM attempt {attempt}/{self.config.llm_max_attempts} "
-                             f"{failure.code}; retrying in {delay:g}s (unscaled)")
-            if message is not None:  # keep the message hidden while we wait (heartbeat)
+        def heartbeat() -> None:
+            if message is not None:  # keep the message hidden while we wait
                 try:
                     self.queue.change_visibility(message.receipt_handle, self.config.visibility_timeout)
                 except Exception:  # noqa: BLE001 - a missed heartbeat costs a duplicate delivery, not data
                     self.log.warning(f"matching: visibility heartbeat for {doc['id']} failed")
+
+        def on_retry(failure: Failure, attempt: int, delay: float) -> None:
+            self.log.info(f"matching: {doc['id']} LLM attempt {attempt}/{self.config.llm_max_attempts} "
+                             f"{failure.code}; retrying in {delay:g}s (unscaled)")
+            heartbeat()
 
         rng = self.runtime.rng_for(f"{PIPELINE}:{doc['id']}:llm:{doc['matching_attempts']}")
         holds = [0]
@@ -419,11 +422,7 @@ class Worker:
                     Code.RATE_LIMITED, message="the LLM's retry budget stayed spent",
                     retry_after=MATCHING_LLM_BACKOFF.retry_after_ceiling + deferred.wait)) from deferred
             self.log.info(f"matching: {doc['id']} retry held back by the LLM's retry budget")
-            if message is not None:
-                try:
-                    self.queue.change_visibility(message.receipt_handle, self.config.visibility_timeout)
-                except Exception:  # noqa: BLE001 - a missed heartbeat costs a duplicate delivery, not data
-                    self.log.warning(f"matching: visibility heartbeat for {doc['id']} failed")
+            heartbeat()
             self.sleep(deferred.due_after(rng))
 
         # 000 as written: a Retry-After longer than the in-process backoff honours ends these retries;
