@@ -289,14 +289,11 @@ def test_alert_only_once_per_failed_document(engine, queue, sandbox, make_worker
         assert conn.execute(sa.select(sa.func.count()).select_from(alerts)).scalar() == 1
 
 
-def test_an_llm_retry_over_the_budget_waits_in_process_and_spends_no_attempt(engine, queue, sandbox,
-                                                                            make_worker) -> None:
-    """The LLM's retry budget (issue 26 §4) has room for one failing retry in 10 s and another entity spent it:
-    d-2's first call fails (503), its in-process retry is held back before anything is sent, the message kept
-    hidden, and goes once the window has room. One delivery, two LLM requests, no attempt spent on the hold."""
-    from datetime import UTC, datetime
 
-    import httpx
+def budgeted_llm(engine, queue, sandbox, **limits):  # type: ignore[no-untyped-def]
+    """d-2 on the queue, its first LLM call answered 503, and the LLM's limiter (its retry budget `limits`) on a
+    frozen clock that the returned sleep advances, as the worker's waits would."""
+    from datetime import UTC, datetime
 
     from redrive import upstreams as up
     from redrive.clock import FrozenClock
@@ -311,8 +308,20 @@ def test_an_llm_retry_over_the_budget_waits_in_process_and_spends_no_attempt(eng
         sleeps.append(seconds)
         clock.advance(seconds)
 
-    budget = up.Upstreams(engine, {"llm": up.UpstreamLimits(retry_share=0.0, retry_floor_per_second=0.1,
-                                                            retry_window_seconds=10)}, clock=clock, sleep=sleep)
+    return up.Upstreams(engine, {"llm": up.UpstreamLimits(**limits)}, clock=clock, sleep=sleep), sleep, sleeps, clock
+
+
+def test_an_llm_retry_over_the_budget_waits_in_process_and_spends_no_attempt(engine, queue, sandbox,
+                                                                            make_worker) -> None:
+    """The LLM's retry budget (issue 26 §4) has room for one failing retry in 10 s and another entity spent it:
+    d-2's first call fails (503), its in-process retry is held back before anything is sent, the message kept
+    hidden, and goes once the window has room. One delivery, two LLM requests, no attempt spent on the hold."""
+    import httpx
+
+    from redrive import upstreams as up
+
+    budget, sleep, sleeps, clock = budgeted_llm(engine, queue, sandbox, retry_share=0.0, retry_floor_per_second=0.1,
+                                                retry_window_seconds=10)
 
     def down() -> None:
         raise httpx.ConnectError("the upstream is down")
@@ -341,24 +350,10 @@ def test_a_retry_budget_that_stays_spent_hands_the_document_to_the_visibility_st
                                                                                   make_worker) -> None:
     """No room for any retry (share 0, floor 0): the retry after the 503 is held MAX_HOLDS times, never sent,
     then the delivery ends as a transient failure and 000's first visibility step (5 min) takes over."""
-    from datetime import UTC, datetime
-
     from assets.matching.worker import MAX_HOLDS
     from redrive import upstreams as up
-    from redrive.clock import FrozenClock
 
-    two_documents(engine, queue)
-    sandbox.set_default("llm", content=MATCH_FIRST)
-    sandbox.script("llm", {"status": 503})
-    clock = FrozenClock(datetime(2026, 11, 28, 12, 0, tzinfo=UTC))
-    sleeps = Sleeps()
-
-    def sleep(seconds: float) -> None:
-        sleeps.append(seconds)
-        clock.advance(seconds)
-
-    budget = up.Upstreams(engine, {"llm": up.UpstreamLimits(retry_share=0.0, retry_floor_per_second=0.0)},
-                          clock=clock, sleep=sleep)
+    budget, sleep, sleeps, _ = budgeted_llm(engine, queue, sandbox, retry_share=0.0, retry_floor_per_second=0.0)
     worker = make_worker(sleep=sleep)
     up.install(budget)
     try:
