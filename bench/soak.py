@@ -585,7 +585,7 @@ class Window:
 
 
 def tick_medians(dagster_url: str) -> dict[str, float]:
-    """Each sensor's median tick in ms (end − start), from the deployment's own tick records."""
+    """Each sensor's median tick in ms (end − start), from the deployment's own tick records, after its first."""
     import json
 
     engine = sa.create_engine(dagster_url, poolclass=sa.pool.NullPool)
@@ -594,13 +594,23 @@ def tick_medians(dagster_url: str) -> dict[str, float]:
             bodies = conn.execute(sa.text("SELECT tick_body FROM job_ticks WHERE type = 'SENSOR'")).scalars().all()
     finally:
         engine.dispose()
-    spans: dict[str, list[float]] = {}
-    for body in bodies:
-        tick = json.loads(body)
+    return steady_tick_medians([json.loads(body) for body in bodies])
+
+
+def steady_tick_medians(ticks: list[dict]) -> dict[str, float]:
+    """Pure: each sensor's median tick in ms, its first tick left out. A window's Dagster storage is new, so each
+    sensor's first tick has no cursor (the reconciliation's first pass reads every failure kept); a deployment
+    keeps its cursors, and its ticks are the ones after. A sensor that ticked once keeps that tick."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for tick in ticks:
         name = tick.get("instigator_name") or tick.get("job_name")
         if name and tick.get("end_timestamp"):
-            spans.setdefault(name, []).append((tick["end_timestamp"] - tick["timestamp"]) * 1000)
-    return {name: statistics.median(v) for name, v in sorted(spans.items())}
+            spans.setdefault(name, []).append((tick["timestamp"], (tick["end_timestamp"] - tick["timestamp"]) * 1000))
+    out = {}
+    for name, v in sorted(spans.items()):
+        ordered = [ms for _, ms in sorted(v)]
+        out[name] = statistics.median(ordered[1:] or ordered)
+    return out
 
 
 def runs_by_job(dagster_url: str) -> dict[str, int]:

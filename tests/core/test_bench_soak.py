@@ -52,3 +52,17 @@ def test_a_sensor_whose_tick_reads_more_pages_as_the_months_pass_is_named() -> N
     assert tick_growth(pages, 1, 120) == ["redrive_dead_letter_reconciliation"]  # 3 -> 8 and 0 -> 5: the floor
     pages[120]["redrive_dead_letter_reconciliation"] = 169
     assert tick_growth(pages, 1, 120) == []
+
+
+def test_a_sensors_first_tick_in_a_new_storage_is_left_out_of_its_median() -> None:
+    """The first tick has no cursor (a new Dagster storage each window): 5,000 ms there, 300 after; a sensor
+    that ticked once keeps its one tick."""
+    from bench.soak import steady_tick_medians
+
+    def tick(name: str, at: float, ms: float) -> dict:
+        return {"instigator_name": name, "timestamp": at, "end_timestamp": at + ms / 1000}
+
+    ticks = [tick("recon", 300.0, 310), tick("recon", 0.0, 5000), tick("recon", 600.0, 290), tick("once", 5.0, 40)]
+    medians = steady_tick_medians(ticks)
+    assert sorted(medians) == ["once", "recon"]
+    assert math.isclose(medians["once"], 40.0) and math.isclose(medians["recon"], 300.0)
