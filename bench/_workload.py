@@ -136,7 +136,7 @@ def deployment(settings: Settings, home: Path, *, only: tuple[str, ...] = ("code
 
     from devstack.postgres import create_database, drop_database, with_database
     from devstack.topology import Topology
-    from redrive.db import normalize_url
+    from redrive.db import dagster_storage_url
 
     full = {"DATABASE_URL": settings.database_url or "", "REDRIVE_TIME_SCALE": str(settings.redrive_time_scale),
             "CRITICIZER_SENSOR_INTERVAL_SECONDS": "5", "REVIEW_NOTIFICATIONS_SENSOR_INTERVAL_SECONDS": "5",
@@ -147,7 +147,7 @@ def deployment(settings: Settings, home: Path, *, only: tuple[str, ...] = ("code
     if own:
         drop_database(admin, name)
         create_database(admin, name)
-        full["DAGSTER_PG_URL"] = os.environ["DAGSTER_PG_URL"] = normalize_url(with_database(admin, name))
+        full["DAGSTER_PG_URL"] = os.environ["DAGSTER_PG_URL"] = dagster_storage_url(with_database(admin, name))
     try:
         with Topology(home=home, env=full, only=list(only), workers=workers) as topology:
             yield topology

@@ -18,7 +18,7 @@ from pathlib import Path
 from devstack.moto import MOTO_ENV, start_moto
 from devstack.postgres import EmbeddedPostgres, create_database, with_database
 from devstack.process import Child, spawn
-from redrive.db import normalize_url
+from redrive.db import dagster_storage_url
 from redrive.settings import PROJECT_ROOT, Settings
 
 APP_DATABASE = "redrive"
@@ -105,7 +105,7 @@ def local_stack(purpose: str = "dev", *, migrate: bool = True) -> Iterator[Stack
             stack.env["DATABASE_URL"] = stack.database_url
         if not settings.dagster_pg_url:
             create_database(admin_url, DAGSTER_DATABASE)
-            stack.env["DAGSTER_PG_URL"] = normalize_url(with_database(admin_url, DAGSTER_DATABASE))
+            stack.env["DAGSTER_PG_URL"] = dagster_storage_url(with_database(admin_url, DAGSTER_DATABASE))
         if not os.environ.get("DAGSTER_HOME"):
             stack.env["DAGSTER_HOME"] = str(dagster_home(purpose))
 

@@ -31,6 +31,7 @@ import httpx
 import psutil
 
 from devstack.process import free_port
+from redrive.db import dagster_storage_url
 from redrive.logs import log_format
 from redrive.settings import PROJECT_ROOT
 
@@ -209,8 +210,11 @@ class Topology:
     def _child_env(self) -> dict[str, str]:
         # JSON logs unless the caller says otherwise: a deployment's log shipper reads one object per line.
         # DAGSTER_UI_URL is this webserver (every alert's link), unless the caller names another (a proxy's).
-        return {"REDRIVE_LOG_FORMAT": "json", **os.environ, "DAGSTER_UI_URL": self.webserver_url, **self.env,
-                "DAGSTER_HOME": str(self.home), MARKER: self.marker, "PYTHONUNBUFFERED": "1"}
+        env = {"REDRIVE_LOG_FORMAT": "json", **os.environ, "DAGSTER_UI_URL": self.webserver_url, **self.env,
+               "DAGSTER_HOME": str(self.home), MARKER: self.marker, "PYTHONUNBUFFERED": "1"}
+        if env.get("DAGSTER_PG_URL"):  # dagster-postgres needs psycopg2, whatever driver DATABASE_URL named
+            env["DAGSTER_PG_URL"] = dagster_storage_url(env["DAGSTER_PG_URL"])
+        return env
 
     def endpoints(self) -> dict[str, str]:
         """Where an operator reaches each part (devstack.serve_env.ENDPOINTS), plus what the services were given

@@ -28,6 +28,14 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def dagster_storage_url(url: str) -> str:
+    """Dagster's storage URL on the server and database `url` names, with psycopg2 whatever driver `url` names.
+    dagster-postgres sends `NOTIFY run_events, %s` with a bound parameter; psycopg 3 binds it server-side and
+    PostgreSQL refuses the statement, so no run would ever leave NOT_STARTED (our own engines take either)."""
+    scheme, sep, rest = normalize_url(url).partition("://")
+    return f"postgresql+psycopg2://{rest}" if sep and scheme.startswith("postgresql") else url
+
+
 def engine_for(url: str) -> sa.Engine:
     """One pooled engine per database per process; pre-ping so a restarted server costs one retry, not a failure."""
     return _engine(normalize_url(url))
