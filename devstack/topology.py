@@ -194,6 +194,11 @@ class Topology:
                        "workspace": str(self.home / "workspace.yaml")}
         self.values["dagster_log_format"] = DAGSTER_LOG_FORMATS[log_format(self._child_env())]
         shutil.copyfile(INSTANCE_YAML, self.home / "dagster.yaml")
+        dagster_url = self._child_env().get("DAGSTER_PG_URL")
+        if dagster_url:  # the migration step's share: the instance does not create its tables at every tick
+            from orchestration.storage import prepare_dagster_storage
+
+            prepare_dagster_storage(dagster_url)
         (self.home / "workspace.yaml").write_text(workspace_yaml(self.host, int(self.values["grpc_port"])))
         names = self._names()
         # the code server first: the webserver and the daemon load the location from it when they start

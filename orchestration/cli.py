@@ -539,12 +539,16 @@ def alerts_dispatch() -> None:
 
 @db.command("upgrade")
 def db_upgrade() -> None:
-    """alembic upgrade head."""
+    """alembic upgrade head; with DAGSTER_PG_URL set, Dagster's tables too where they are missing."""
+    from orchestration.storage import prepare_dagster_storage
     from redrive.db import upgrade_head
 
     with database_url() as url:
         upgrade_head(url)
     click.echo("schema at head")
+    if os.environ.get("DAGSTER_PG_URL"):
+        prepare_dagster_storage(os.environ["DAGSTER_PG_URL"])
+        click.echo("Dagster's storage ready")
 
 
 @db.command("downgrade")

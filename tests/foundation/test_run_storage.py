@@ -3,6 +3,7 @@ application's URL names)."""
 
 from __future__ import annotations
 
+import pytest
 import sqlalchemy as sa
 from dagster import instance_for_test
 
@@ -38,4 +39,40 @@ def test_healthcheck_run_is_stored_in_postgres(admin_url: str, settings: Setting
         assert results == {"s3": "ok", "sqs": "ok", "llm": "ok", "postgres": "ok"}
     finally:
         engine_for(dagster_url).dispose()
+        drop_database(admin_url, name)
+
+
+def test_the_migration_step_creates_the_tables_the_production_instance_no_longer_creates(
+        admin_url: str, settings: Settings, sandbox, tmp_path, monkeypatch) -> None:
+    """dagster.yaml.example does not create Dagster's tables (the code server builds an instance per sensor tick,
+    and checking them cost three connections a tick): on a fresh database its instance cannot read a run until
+    the migration step (`prepare_dagster_storage`, run by `redrive db upgrade` and `make serve`) created them,
+    and a second migration step changes nothing."""
+    import shutil
+
+    from dagster import DagsterInstance
+    from dagster._core.instance.ref import InstanceRef
+
+    from orchestration.storage import prepare_dagster_storage
+    from redrive.settings import PROJECT_ROOT
+
+    name = "redrive_dagster_prepare_test"
+    drop_database(admin_url, name)
+    create_database(admin_url, name)
+    url = dagster_storage_url(with_database(admin_url, name))
+    monkeypatch.setenv("DAGSTER_PG_URL", url)
+    shutil.copyfile(PROJECT_ROOT / "dagster.yaml.example", tmp_path / "dagster.yaml")
+    try:
+        with DagsterInstance.from_ref(InstanceRef.from_dir(str(tmp_path))) as instance:
+            with pytest.raises(sa.exc.ProgrammingError):
+                instance.get_runs_count()
+        prepare_dagster_storage(url)
+        prepare_dagster_storage(url)
+        with DagsterInstance.from_ref(InstanceRef.from_dir(str(tmp_path))) as instance:
+            assert instance.get_runs_count() == 0
+            job = build_definitions(settings).resolve_job_def("stack_healthcheck_job")
+            assert job.execute_in_process(instance=instance).success
+            assert instance.get_runs_count() == 1
+    finally:
+        engine_for(url).dispose()
         drop_database(admin_url, name)
