@@ -23,9 +23,10 @@ def machine_cpu() -> float:
 
 
 @contextlib.contextmanager
-def scratch_database(name: str, *, heads: str | None = "heads") -> Iterator[str]:
+def scratch_database(name: str, *, heads: str | None = "heads", keep: bool = False) -> Iterator[str]:
     """A fresh database on DATABASE_URL's server (or the embedded one), so no other work touches its rows;
-    migrated to `heads`, or left empty with None (a Dagster instance's storage)."""
+    migrated to `heads`, or left empty with None (a Dagster instance's storage); dropped after, unless `keep`
+    (to look into what a long benchmark left; the next run of it drops it first)."""
     admin = with_database(resolve_database_url(Settings()), "postgres")
     drop_database(admin, name)
     create_database(admin, name)
@@ -36,5 +37,8 @@ def scratch_database(name: str, *, heads: str | None = "heads") -> Iterator[str]
         yield url
     finally:
         engine_for(url).dispose()
-        drop_database(admin, name)
+        if keep:
+            print(f"  kept database {name} (drop it when done)", flush=True)
+        else:
+            drop_database(admin, name)
 

@@ -81,6 +81,7 @@ DAYS = int(os.environ.get("BENCH_SOAK_DAYS", "120"))  # past the 90-day windows,
 PER_DAY = int(os.environ.get("BENCH_SOAK_PER_DAY", "66667"))  # + half as many conversion jobs: 100,000 a day
 HISTORY = int(os.environ.get("BENCH_SOAK_HISTORY", "10000000"))
 SCRATCH = os.environ.get("BENCH_SOAK_DB", "redrive_bench_soak")  # its databases' name: two soaks on one server
+KEEP = os.environ.get("BENCH_SOAK_KEEP") == "1"  # leave the database as the months left it, to look into
 SAMPLES = tuple(d for d in (1, 30, 60, 90, 120, 150, 180, 270, 365) if d <= DAYS) or (DAYS,)
 LONGEST_WINDOW = 90  # days: the longest default window of the rows synthesized here (alerts, letters, idempotency)
 START = datetime(2026, 1, 1, tzinfo=UTC)
@@ -561,6 +562,7 @@ SERVE_MINUTES = float(os.environ.get("BENCH_SOAK_SERVE_MINUTES", "5"))
 SERVE_PER_DAY = float(os.environ.get("BENCH_SOAK_SERVE_PER_DAY", "100000"))  # the issue's traffic, in real time
 SERVE_SETTLE_MINUTES = 15.0
 # the sample days that get a window (default every one; the verdicts compare the first and the last)
+QUIET_SCRAPES = 20
 SERVE_AT = tuple(int(d) for d in os.environ.get("BENCH_SOAK_SERVE_AT", "").split(",") if d.strip())
 KEEP_EVERYTHING = {f"RETENTION_{k}_DAYS": "0" for k in (  # 0 = for ever: see serve_window
     "FINISHED_WORK", "RESOLVED_DEAD_LETTER", "ALERT", "HEALTHCHECK", "PERSONAL_DATA", "IDEMPOTENCY",
@@ -577,11 +579,12 @@ class Window:
     duplicates: dict[str, int]
     settle_s: float  # from the last submission until every entity of the window had finished
     ticks_ms: dict[str, float]  # each sensor's median tick (wall), from Dagster's tick records
-    scrape_ms: float  # median of the window's scrapes through the metrics service
+    scrape_ms: float  # median of the window's scrapes through the metrics service, under the window's load
     exited: dict[str, int]
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds each service (and PostgreSQL) used
     autovacuum: int = 0  # autovacuum workers seen at the window's half-minute samples, summed
     runs: dict[str, int] = field(default_factory=dict)  # the window's Dagster runs by job (its storage is new)
+    quiet_scrape_ms: float = 0.0  # median of QUIET_SCRAPES through the service once the window's work finished
 
 
 def tick_medians(dagster_url: str) -> dict[str, float]:
@@ -749,6 +752,12 @@ def serve_window(url: str, day: int) -> Window:
                 break
             time.sleep(5.0)  # polling the deployment's progress; not a timing assertion
         settle = time.monotonic() - last
+        quiet = []  # the scrape's own cost as the months pass, without the window's traffic competing for the cores
+        for _ in range(QUIET_SCRAPES):
+            t = time.perf_counter()
+            httpx.get(f"{topology.metrics_url}/metrics", timeout=30).raise_for_status()
+            quiet.append((time.perf_counter() - t) * 1000)
+            time.sleep(0.5)  # spaced as scrapes are, not back to back; not a timing assertion
         submitted, lost, duplicates = window_outcome(ctx, minutes)
         exited = topology.exited()
         cpu = {name: cpu_of(v) - cpu[name] for name, v in pids.items()}
@@ -756,7 +765,8 @@ def serve_window(url: str, day: int) -> Window:
         runs = runs_by_job(dagster_url)
     engine.dispose()
     return Window(day, submitted, lost, duplicates, settle, ticks,
-                  statistics.median(scrapes) if scrapes else 0.0, exited, cpu, autovacuum, runs)
+                  statistics.median(scrapes) if scrapes else 0.0, exited, cpu, autovacuum, runs,
+                  statistics.median(quiet) if quiet else 0.0)
 
 
 def serve_verdicts(windows: dict[int, Window]) -> dict[str, bool]:
@@ -773,8 +783,14 @@ def serve_verdicts(windows: dict[int, Window]) -> dict[str, bool]:
     # machine): the verdict reads the daemon's whole tick work, every sensor's median summed
     out = {f"every sensor's median tick, summed ({after:.0f} ms), at day {last.day} ≤ 1.2 × day {first.day} "
            f"({before:.0f} ms)": after <= 1.2 * before}
-    out[f"scrape through the metrics service at day {last.day} ≤ 1.2 × day {first.day} (+5 ms)"] = \
-        last.scrape_ms <= 1.2 * first.scrape_ms + 5.0
+    # under the window's load a scrape waits for the cores as much as it works: four day-1 windows gave medians
+    # of 32 to 53 ms. The verdict reads the scrapes taken once the window's work finished (printed both)
+    print(f"  scrape through the metrics service, median ms at days {', '.join(map(str, windows))}: under the "
+          f"window's load {' / '.join(f'{w.scrape_ms:.1f}' for w in windows.values())}; after it "
+          f"{' / '.join(f'{w.quiet_scrape_ms:.1f}' for w in windows.values())}")
+    out[f"scrape through the metrics service after the window at day {last.day} ({last.quiet_scrape_ms:.1f} ms) "
+        f"≤ 1.2 × day {first.day} ({first.quiet_scrape_ms:.1f} ms, +5 ms)"] = \
+        last.quiet_scrape_ms <= 1.2 * first.quiet_scrape_ms + 5.0
     out["0 lost in every window"] = all(not any(w.lost.values()) for w in windows.values())
     out["0 duplicate effects in every window"] = all(not any(w.duplicates.values()) for w in windows.values())
     out["no service died"] = all(not w.exited for w in windows.values())
@@ -1064,7 +1080,7 @@ def main(argv: list[str] | None = None) -> int:
     part = parser.parse_args(argv or []).part
     print(f"  {DAYS} days × {PER_DAY * 3 // 2:,} entities a day ({PER_DAY:,} work-queue entities and "
           f"{PER_DAY // 2:,} conversion jobs, synthesized), history of {HISTORY:,} events; default retention")
-    with tempfile.TemporaryDirectory() as folder, scratch_database(SCRATCH) as url:
+    with tempfile.TemporaryDirectory() as folder, scratch_database(SCRATCH, keep=KEEP) as url:
         os.environ.setdefault("UPLOADS_DIR", folder)  # conversion's files rule: the synthesized jobs have none
         os.environ.setdefault("RESULTS_DIR", folder)
         engine = engine_for(url)
