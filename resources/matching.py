@@ -225,6 +225,7 @@ class MatchingResource(ConfigurableResource):
     max_receive_count: int = 3
     batch_size: int = 5
     receivers: int = 2
+    in_flight: int | None = None  # documents a drain run processes at once; None: two batches
     max_batches_per_run: int = 100
     receive_wait_seconds: int = 1
     max_concurrent_drains: int = 1

@@ -49,6 +49,7 @@ def build_worker(context: dg.OpExecutionContext, reliability: ReliabilityResourc
             candidate_limit=matching.candidate_limit,
             batch_size=matching.batch_size,
             receivers=matching.receivers,
+            in_flight=matching.in_flight,
         ),
         admin_link=matching.admin_link,
         sleep=lambda seconds: time.sleep(seconds * scale),  # REDRIVE_TIME_SCALE shrinks 2 s → 4 s → 8 s
@@ -182,6 +183,7 @@ def matching_resource(settings: Settings, matching: MatchingSettings) -> Matchin
         max_receive_count=matching.max_receive_count,
         batch_size=matching.batch_size,
         receivers=matching.receivers,
+        in_flight=matching.in_flight,
         max_batches_per_run=matching.max_batches_per_run,
         receive_wait_seconds=matching.receive_wait_seconds,
         max_concurrent_drains=matching.max_concurrent_drains,

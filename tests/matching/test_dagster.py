@@ -214,3 +214,20 @@ def test_drain_run_with_no_match_answer(mdefs, instance, engine, sandbox) -> Non
     output = next(e for e in result.all_events if e.event_type_value == "STEP_OUTPUT")
     metadata = output.event_specific_data.metadata
     assert metadata["llm_calls"].value == 1 and metadata["edges_written"].value == 0
+
+
+@pytest.mark.parametrize(("value", "in_flight"), [(None, None), ("70", 70)])
+def test_in_flight_setting_sizes_the_drain_runs_worker(scaled_settings, monkeypatch, value, in_flight) -> None:
+    """MATCHING_IN_FLIGHT (issue 26 §2) reaches the worker a drain run builds: how many documents it works at once
+    (a thread each) to fill the LLM's slots; unset, two batches."""
+    from assets.matching.pipeline import build_worker
+
+    monkeypatch.setenv("MATCHING_BATCH_SIZE", "5")
+    if value is None:
+        monkeypatch.delenv("MATCHING_IN_FLIGHT", raising=False)
+    else:
+        monkeypatch.setenv("MATCHING_IN_FLIGHT", value)
+    resources = build_definitions(scaled_settings).resources
+    built = build_worker(dg.build_op_context(), resources["reliability"], resources["matching"], resources["llm"])
+    assert built.config.batch_size == 5
+    assert built.config.in_flight == in_flight
