@@ -26,8 +26,10 @@ Part 2b, scale-out (`--part scale-out`): the same LLM latency with its limits ra
 drain processes at 8 entities in flight each (four fit this machine's cores) and at the criticizer's 64: answers/s
 against one process's, and how busy the machine's cores were, which names the cores when they ran out.
 
-Part 2c, through `make serve`'s topology (`--part deployed`): the criticizer, review notifications and evidence,
-10,000 entities each (`BENCH_UPSTREAMS_DEPLOYED_ENTITIES`), against the sandbox as all of the issue's providers,
+Part 2c, through `make serve`'s topology (`--part deployed`): the criticizer, review notifications and evidence
+(drained from the work queue), conversion (through its API and 2 worker processes) and matching (000's ingestion,
+SQS, the queue sensor's drain runs), 10,000 entities each (`BENCH_UPSTREAMS_DEPLOYED_ENTITIES`,
+`BENCH_UPSTREAMS_DEPLOYED_PIPELINES`), against the sandbox as all of the issue's providers (the PDF gateway too),
 with the limiter set for them: entities/s at the route that binds each pipeline against what it allows, every
 route's peaks and refusals, lost work, duplicate effects, and what capped it (the machine's cores, one run's core,
 the limiter's rate share, or too few in flight).
@@ -48,6 +50,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import time
 import uuid
@@ -406,7 +409,11 @@ def scale_out_part(processes: tuple[int, ...] = (1, 2, 4), levels: tuple[int, ..
 
 DEPLOYED_ENTITIES = int(os.environ.get("BENCH_UPSTREAMS_DEPLOYED_ENTITIES", "10000"))
 DEPLOYED_PIPELINES = tuple(p for p in os.environ.get(
-    "BENCH_UPSTREAMS_DEPLOYED_PIPELINES", "criticizer,review_notifications,evidence").split(",") if p)
+    "BENCH_UPSTREAMS_DEPLOYED_PIPELINES", "criticizer,review_notifications,evidence,conversion,matching").split(",")
+    if p)
+# conversion and matching are not drained from the work queue: they come in through their front doors (the
+# conversion API; 000's ingestion, then SQS), submitted as the chaos run submits them, and settle in their own tables
+FRONT_DOORS = ("conversion", "matching")
 # the issue's providers, by sandbox route: latency and the limits the provider enforces (429 + Retry-After beyond)
 PROVIDERS: dict[str, dict[str, Any]] = {
     "llm": {"p50": LLM_P50, "p99": LLM_P99, "max_concurrent": LLM_CONCURRENT, "rate_per_second": LLM_RATE},
@@ -415,6 +422,7 @@ PROVIDERS: dict[str, dict[str, Any]] = {
     "mail.lookup": {"latency": 0.3, "rate_per_second": 20},
     "case.attach": {"latency": 0.2, "max_concurrent": 32},
     "case.lookup": {"latency": 0.2, "max_concurrent": 32},
+    "pdf.convert": {"latency": 0.2, "max_concurrent": 32},
 }
 # the deployment's limiter, one setting per upstream: the provider's concurrency and a share of its rate; 90 %, as
 # docs/operating.md advises for a busy host (here the sandbox, PostgreSQL and the whole topology share 2 cores)
@@ -423,6 +431,7 @@ PROVIDER_LIMITS = {
     "REDRIVE_UPSTREAM_LLM": {"max_concurrent": LLM_CONCURRENT, "rate_per_second": LLM_RATE * DEPLOYED_RATE_SHARE},
     "REDRIVE_UPSTREAM_MAIL": {"rate_per_second": 20 * DEPLOYED_RATE_SHARE},
     "REDRIVE_UPSTREAM_CASE_API": {"max_concurrent": 32},
+    "REDRIVE_UPSTREAM_PDF_GATEWAY": {"max_concurrent": 32},
 }
 # sized as docs/operating.md says: in flight over all runs at least the provider's slots, and enough runs that their
 # processes' cores carry the rate. The criticizer: 2 runs × 48 (one run's process carries ~40 entities/s on its
@@ -430,9 +439,19 @@ PROVIDER_LIMITS = {
 # runs (a row holds a database connection across its case API call: 32 a run would take 8 × 32 of PostgreSQL's)
 DEPLOYED_IN_FLIGHT = json.loads(os.environ.get("BENCH_UPSTREAMS_DEPLOYED_IN_FLIGHT", '{"criticizer": 48}'))
 DEPLOYED_RUNS = json.loads(os.environ.get("BENCH_UPSTREAMS_DEPLOYED_RUNS", '{"criticizer": 2}'))
+# the front doors' own sizing, as docs/operating.md says: conversion 2 worker processes × 16 jobs in flight (the
+# gateway's 32 slots); matching one drain run with 70 documents in flight (the LLM's 64 slots), fed by 4 receivers of
+# batches of 10
+FRONT_DOOR_ENV = {
+    "conversion": {"WORKER_CONCURRENCY": "16"},
+    "matching": {"MATCHING_BATCH_SIZE": "10", "MATCHING_RECEIVERS": "4", "MATCHING_IN_FLIGHT": "70",
+                 "MATCHING_SENSOR_INTERVAL_SECONDS": "5"},
+}
+FRONT_DOOR_WORKERS = {"conversion": 2}
 # the route each pipeline calls once per entity and whose limits bind it (its throughput is measured there)
-BINDING = {"criticizer": "llm", "review_notifications": "mail.send", "evidence": "case.attach"}
-EFFECT = {"llm": "llm.call", "mail.send": "mail.send", "case.attach": "case.attach"}
+BINDING = {"criticizer": "llm", "review_notifications": "mail.send", "evidence": "case.attach",
+           "conversion": "pdf.convert", "matching": "llm"}
+EFFECT = {"llm": "llm.call", "mail.send": "mail.send", "case.attach": "case.attach", "pdf.convert": "pdf.convert"}
 
 
 def allowed_per_second(profile: dict[str, Any]) -> float:
@@ -456,6 +475,55 @@ def deployed_cap(ratio: float, cores_busy: float, rate_bound: bool, share: float
     return f"our engine: runs × in flight too few for the provider (cores {cores_busy:.0%} busy)"
 
 
+def run_front_door(name: str, settings: Any, n: int, session: str, pg_pids: list[int], timeout: float, *,
+                   upstreams: Callable[[SandboxClient], None], env: dict[str, str]) -> Any:
+    """Conversion or matching through `make serve`'s topology (the API, the conversion workers, the daemon and its
+    matching drain runs): `n` entities in through the pipeline's front door as the chaos run submits them, until each
+    is settled in its own table; the `bench.scale.Outcome` of a drained pipeline, its lost ones those left open."""
+    import random
+
+    import dagster as dg
+
+    from bench import chaos
+    from bench._workload import RunWorkers, cpu_of, deployment
+    from bench.scale import _DEFS, Outcome
+    from devstack.topology import SERVICES
+
+    sandbox = SandboxClient(os.environ["SANDBOX_URL"])
+    sandbox.reset()
+    upstreams(sandbox)
+    engine = engine_for(settings.database_url or "")
+    home = settings.redrive_data_dir / "bench-upstreams" / session
+    only = ("code-server", "daemon", "conversion-api", "conversion-worker") if name == "conversion" else \
+        ("code-server", "daemon")
+    assert set(only) <= {s.name for s in SERVICES}
+    load = chaos.LOADS[name]
+    files = {"UPLOADS_DIR": str(home / "uploads"), "RESULTS_DIR": str(home / "results")}  # go with the run
+    with deployment(settings, home, only=only, workers=FRONT_DOOR_WORKERS.get(name, 1),
+                    env={**env, **FRONT_DOOR_ENV.get(name, {}), **files}) as topology:
+        ctx = chaos.Context(engine, sandbox, session, chaos.Canaries.from_seed(26), _DEFS[-1], random.Random(26),
+                            topology=topology)
+        ledger = chaos.Ledger(name)
+        instance = dg.DagsterInstance.from_config(str(home))
+        pids = [p.proc.pid for p in topology.processes.values()]
+        cpu0, pg0, machine0, started = cpu_of(pids), cpu_of(pg_pids), machine_cpu(), time.perf_counter()
+        with RunWorkers(pids) as workers:
+            load.submit(ctx, n, ledger)
+            chaos.wait_settled(ctx, {name: ledger}, timeout)
+        seconds = time.perf_counter() - started
+        cpu, machine = cpu_of(pids) - cpu0 + cpu_of(pg_pids) - pg0, machine_cpu() - machine0
+        busy = workers.busiest()
+        if name == "conversion":  # its workers are the topology's own processes, not Dagster runs: their share
+            busy = max([busy, *(cpu_of([p.proc.pid]) / (time.time() - psutil.Process(p.proc.pid).create_time())
+                                for k, p in topology.processes.items() if k.startswith("conversion-worker"))])
+        runs = FRONT_DOOR_WORKERS["conversion"] if name == "conversion" else instance.get_runs_count()
+        total, left = chaos.progress(ctx, name)
+        with engine.connect() as conn:
+            duplicates = load.own_duplicates(conn, ctx) if load.own_duplicates else 0
+    shutil.rmtree(home, ignore_errors=True)  # the PDFs and results of 10,000 jobs
+    return Outcome(n, seconds, cpu, runs, left + max(0, n - total), n + duplicates, n, machine, busy)
+
+
 def deployed_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = DEPLOYED_ENTITIES) -> list[dict[str, Any]]:
     """Each drained pipeline through `make serve`'s topology (daemon, gRPC code server, run queue, run workers)
     against the issue's providers, with the limiter set for them: its entities/s at the route that binds it (middle
@@ -470,7 +538,10 @@ def deployed_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = DEPL
            "REDRIVE_DRAIN_IN_FLIGHT": json.dumps(DEPLOYED_IN_FLIGHT), "REDRIVE_DRAIN_RUNS": json.dumps(DEPLOYED_RUNS)}
 
     def providers(sandbox: SandboxClient) -> None:
+        from bench.chaos import MATCH_FIRST, MATCHING_PROMPT
+
         sandbox.set_default("llm", content=json.dumps(CRITIQUE))
+        sandbox.set_default("llm", content=MATCH_FIRST, when=MATCHING_PROMPT)  # matching's own answer
         for route, profile in PROVIDERS.items():
             latency = {"latency": profile["latency"]} if "latency" in profile else \
                 {"p50": profile["p50"], "p99": profile["p99"]}
@@ -481,12 +552,16 @@ def deployed_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = DEPL
           f"({', '.join(f'{r}: {p}' for r, p in PROVIDERS.items())}); the limiter: {env}")
     rows = []
     for name in pipelines:
-        load, session = LOADS[name], uuid.uuid4().hex[:6]
+        session = uuid.uuid4().hex[:6]
         with migrated_database(f"bench_upstreams_deployed_{name}") as url:
             settings = Settings(database_url=url, redrive_time_scale=1.0)
             _DEFS.append(build_definitions(settings))
-            outcome = run_deployed(load, settings, n, session, postgres_pids(url), timeout=3600,
-                                   upstreams=providers, env=env)
+            if name in FRONT_DOORS:
+                outcome = run_front_door(name, settings, n, session, postgres_pids(url), timeout=3600,
+                                         upstreams=providers, env=env)
+            else:
+                outcome = run_deployed(LOADS[name], settings, n, session, postgres_pids(url), timeout=3600,
+                                       upstreams=providers, env=env)
         sandbox = SandboxClient(os.environ["SANDBOX_URL"], timeout=30)
         route = BINDING[name]
         allowed = allowed_per_second(PROVIDERS[route])
@@ -505,7 +580,8 @@ def deployed_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = DEPL
                "cap": deployed_cap(ratio, busy, "rate_per_second" in PROVIDERS[route], share=DEPLOYED_RATE_SHARE,
                                    run_busy=outcome.run_worker_busy or 0.0)}
         rows.append(row)
-        print(f"  {name}: {n - outcome.open_left}/{n} settled in {outcome.seconds:.0f} s by {outcome.runs} runs; at "
+        print(f"  {name}: {n - outcome.open_left}/{n} settled in {outcome.seconds:.0f} s by {outcome.runs} "
+              f"{'worker processes' if name == 'conversion' else 'runs'}; at "
               f"{route}: {rate:.1f} entities/s = {ratio:.2f} of the {allowed:.1f}/s it allows ({row['cap']}); "
               f"machine CPU {row['machine_cpu_ms_per_entity']:.1f} ms/entity, cores {busy:.0%} busy, the busiest "
               f"run's process {outcome.run_worker_busy or 0:.0%} of a core; refused "
