@@ -58,6 +58,7 @@ waits on a lock for more than 100 ms.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -764,6 +765,7 @@ def serve_window(url: str, day: int) -> Window:
         ticks = tick_medians(dagster_url)
         runs = runs_by_job(dagster_url)
     engine.dispose()
+    shutil.rmtree(home, ignore_errors=True)  # the window's uploads, results and logs
     return Window(day, submitted, lost, duplicates, settle, ticks,
                   statistics.median(scrapes) if scrapes else 0.0, exited, cpu, autovacuum, runs,
                   statistics.median(quiet) if quiet else 0.0)
