@@ -3,7 +3,7 @@
 The gRPC code server builds a new `DagsterInstance` from the daemon's instance reference for every tick of a
 sensor that takes resources (all of ours), and dagster-postgres's storages, when `should_autocreate_tables` is
 on (its default), each connect and list the database's tables to see whether they must create them: three
-connections and three catalog reads a tick, ~55 ms of a tick's ~150 ms here. `dagster.yaml.example` turns it
+connections and three catalog reads a tick (an instance cost 54.8 ms with them, 11.7 ms without, here). `dagster.yaml.example` turns it
 off, so the tables are created here, by `redrive db upgrade` and by `make serve` before any service starts.
 Dagster's own upgrades stay `dagster instance migrate`, as Dagster documents.
 """
