@@ -18,7 +18,7 @@ the caps live in the system of record and every process that calls the upstream 
   entity due later without spending an attempt, and the first denial of an episode raises one alert
   per upstream (not one per entity).
 
-The hot path is one round trip: `redrive_upstream_acquire(...)` (a stored function, migrations 0010-0013)
+The hot path is one round trip: `redrive_upstream_acquire(...)` (a stored function, migrations 0010-0015)
 decides pause, budget, slot and rate under row locks and returns a slot or how long to wait; a
 release is a second, one-row UPDATE. An entity waiting for a slot only waits: it spends no attempt.
 The decision formulas are written once, in that function; :func:`retry_allowance` states the budget's
@@ -134,6 +134,17 @@ def retrying(flag: bool = True) -> Iterator[None]:
         _RETRYING.reset(token)
 
 
+def grant_lateness(since_replied: float, since_asked: float, since_answered: float) -> float:
+    """How long ago a grant's moment (the database's answer, before its `wait`) is, given the time since the
+    reply reached the caller, since the caller asked, and since the database's clock read `answered`.
+
+    The answer was given between the ask and the reply, so the lateness lies between `since_replied` and
+    `since_asked`. The database's clock says where: it counts what the reply's way back cost (the commit, a
+    starved thread waiting for the GIL) that `since_replied` misses. Clamped to the bounds, so a machine
+    whose clock is off can neither excuse a late grant nor give back more than a round trip's worth."""
+    return min(max(since_answered, since_replied), since_asked)
+
+
 def wait_before_asking_again(told: float, polls: int, poll: float, roll: float) -> float:
     """How long a denied caller sleeps: what the database told it (a pause's or the rate window's rest),
     spread a little so waiters do not all ask at the same instant; for a full upstream (told 0: a slot frees
@@ -214,6 +225,7 @@ BEGIN
     IF lim.rate_per_second IS NOT NULL THEN
         spacing := 1.0 / lim.rate_per_second;
         SELECT l.tat INTO t FROM upstream_limits l WHERE l.name = p_name FOR UPDATE;
+        v_now := coalesce(p_now, clock_timestamp());  -- after the lock: waiting for it never dates a grant back
         due := coalesce(t, v_now) - make_interval(secs => (lim.rate_burst - 1) * spacing);
         IF due > v_now + make_interval(secs => reserve_ahead) THEN
             INSERT INTO upstream_waiters AS w VALUES (p_name, p_holder, v_now + interval '30 seconds')
@@ -246,8 +258,10 @@ END
 $fn$;
 """
 
-_ACQUIRE = sa.text("SELECT slot, wait, reason, new_episode FROM "
-                   "redrive_upstream_acquire(:name, :holder, :now, :lease, :retry, :waited)")
+# `answered`: the clock the function's `wait` is counted from, read once it has returned (epoch seconds)
+_ACQUIRE = sa.text("SELECT slot, wait, reason, new_episode, "
+                   "extract(epoch FROM coalesce(CAST(:now AS timestamptz), clock_timestamp()))::float8 AS answered "
+                   "FROM redrive_upstream_acquire(:name, :holder, :now, :lease, :retry, :waited)")
 
 
 def configure(conn: sa.Connection, name: str, limits: UpstreamLimits, now: datetime) -> None:
@@ -446,11 +460,11 @@ class Upstreams:
         waited, polls = False, 0
         try:
             while True:
-                row, replied = self._ask(name, limits, holder, retry, waited)
+                row, asked, replied = self._ask(name, limits, holder, retry, waited)
                 if (grant := self._granted(name, limits, row, holder, retry)) is not None:
                     if row.wait > 0:  # a rate grant reserved for a moment from now: sent then, not asked again
                         self._reserved(grant, lambda: self.sleep(float(row.wait)))
-                    if self._on_time(limits, row, replied):
+                    if self._on_time(limits, row, asked, replied):
                         return grant
                     self._release(grant)  # too late for its place in the rate: asked again
                     continue
@@ -466,7 +480,7 @@ class Upstreams:
         waited, polls = False, 0
         try:
             while True:
-                row, replied = await asyncio.to_thread(self._ask, name, limits, holder, retry, waited)
+                row, asked, replied = await asyncio.to_thread(self._ask, name, limits, holder, retry, waited)
                 if (grant := self._granted(name, limits, row, holder, retry)) is not None:
                     if row.wait > 0:
                         try:
@@ -474,7 +488,7 @@ class Upstreams:
                         except BaseException:  # cancelled while the grant waits: its slot goes back now
                             await asyncio.to_thread(self._release, grant)
                             raise
-                    if self._on_time(limits, row, replied):
+                    if self._on_time(limits, row, asked, replied):
                         return grant
                     await asyncio.to_thread(self._release, grant)
                     continue
@@ -492,19 +506,30 @@ class Upstreams:
             self._release(grant)
             raise
 
-    def _on_time(self, limits: UpstreamLimits, row: Any, replied: float) -> bool:
+    def _on_time(self, limits: UpstreamLimits, row: Any, asked: float, replied: float) -> bool:
         """Whether a rate grant is still sent in its place: a caller that gets to send more than `late_seconds`
         after the grant's time (a busy event loop, a starved machine) would arrive at the provider bunched with
         the grants after it and push a 1 s window over the rate; it gives the grant back and asks again."""
-        return not limits.rate_per_second or self.monotonic() - replied - float(row.wait) <= self.late_seconds
+        if not limits.rate_per_second:
+            return True
+        now = self.monotonic()
+        return grant_lateness(now - replied, now - asked, self._wall() - float(row.answered)) - float(row.wait) \
+            <= self.late_seconds
 
-    def _ask(self, name: str, limits: UpstreamLimits, holder: str, retry: bool, waited: bool) -> tuple[Any, float]:
-        """One round trip to the acquire function: a slot, or how long to wait and why; and when it answered
-        (`monotonic()`, taken on the asking thread)."""
+    def _wall(self) -> float:
+        """Epoch seconds on the clock `answered` is read on: the database's for the system clock (one
+        machine's clocks agree; `grant_lateness` bounds what another machine's skew can do), else the injected one."""
+        return time.time() if isinstance(self.clock, SystemClock) else self.clock.now().timestamp()
+
+    def _ask(self, name: str, limits: UpstreamLimits, holder: str, retry: bool,
+             waited: bool) -> tuple[Any, float, float]:
+        """One round trip to the acquire function: a slot, or how long to wait and why; and when it was asked
+        and when it answered (`monotonic()`, taken on the asking thread)."""
+        asked = self.monotonic()
         row = _once_more_if_dropped(lambda conn: conn.execute(_ACQUIRE, {
             "name": name, "holder": holder, "now": self._now(), "lease": limits.lease_seconds,
             "retry": retry, "waited": waited}).one(), self._autocommit)
-        return row, self.monotonic()
+        return row, asked, self.monotonic()
 
     def _granted(self, name: str, limits: UpstreamLimits, row: Any, holder: str, retry: bool) -> Grant | None:
         """The grant the row gives, or None to wait and ask again; raises RetryDeferred over the budget (and the

@@ -5,13 +5,14 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import asyncio
+import threading
 
 import httpx
 import pytest
 import sqlalchemy as sa
 
 from redrive import upstreams as up
-from redrive.clock import FrozenClock
+from redrive.clock import FrozenClock, SystemClock
 from redrive.upstreams import RetryDeferred, UpstreamLimits, Upstreams, retry_allowance, retrying
 
 START = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
@@ -118,6 +119,60 @@ def test_a_grant_sent_late_is_given_back_and_asked_again(engine: sa.Engine) -> N
     with engine.connect() as conn:
         assert up.states(conn, clock.now())[0].slots_in_use == 2  # the late grant's slot went back
     assert second.slot != first.slot
+
+
+def test_a_grant_whose_reply_came_back_late_is_given_back(engine: sa.Engine) -> None:
+    """At 10/s, the database grants at once, but its answer reaches the caller 50 ms later (the commit, a thread
+    starved of the GIL): the time since the reply says 0, the database's clock says 50 ms. Sent now, it would
+    arrive bunched with the grants after it; it is given back and the caller sends on its next grant."""
+    clock = FrozenClock(START)
+    ticks = [0.0]
+
+    def sleep(seconds: float) -> None:
+        ticks[0] += seconds
+        clock.advance(seconds)
+
+    worker = Upstreams(engine, {"llm": UpstreamLimits(rate_per_second=10, max_concurrent=5)}, clock=clock,
+                       sleep=sleep, monotonic=lambda: ticks[0])
+    replies: list[float] = []
+
+    def slow_reply(*args: object, ask=worker._ask):  # type: ignore[no-untyped-def]
+        row, asked, replied = ask(*args)
+        late = 0.05 if not replies else 0.0  # only the first answer is slow on its way back
+        replies.append(late)
+        ticks[0] += late
+        clock.advance(late)
+        return row, asked, replied + late  # the reply reached the caller `late` after the database answered
+
+    worker._ask = slow_reply  # type: ignore[method-assign]
+    worker.acquire("llm", worker.limits["llm"])
+    assert len(replies) == 2  # the first grant went back; the second, reserved 50 ms on, was on time
+    with engine.connect() as conn:
+        assert up.states(conn, clock.now())[0].slots_in_use == 1
+
+
+def test_waiting_for_the_rate_lock_does_not_date_a_grant_back(engine: sa.Engine) -> None:
+    """A caller that waits for the rate's row lock (another backend holds it: a busy database) is told to wait
+    until the grant's time counted from when it got the lock. Counted from when it asked, its wait came out longer
+    by the time it had already waited, and callers queued behind the lock were sent that much late, bunched."""
+    worker = Upstreams(engine, {"llm": UpstreamLimits(rate_per_second=10, max_concurrent=5)}, clock=SystemClock())
+    worker.configure()
+    answer: list[sa.Row] = []
+    with engine.connect() as holder:
+        due = holder.execute(sa.text("SELECT clock_timestamp() + interval '500 milliseconds'")).scalar_one()
+        holder.execute(sa.text("UPDATE upstream_limits SET tat = :due WHERE name = 'llm'"), {"due": due})
+        asking = threading.Thread(target=lambda: answer.append(worker._ask("llm", worker.limits["llm"], "h", False,
+                                                                           False)[0]))
+        asking.start()
+        while not holder.execute(sa.text("SELECT count(*) FROM pg_locks WHERE NOT granted")).scalar_one():
+            pass  # until the caller waits for the row lock the holder's update took
+        holder.execute(sa.text("SELECT pg_sleep(0.2)"))  # the holder keeps it a while: a backend descheduled
+        holder.commit()
+        asking.join(timeout=30)
+    (row,) = answer
+    assert row.reason == "reserved"
+    sent = row.answered + row.wait  # where the caller will send, on the database's clock
+    assert sent == pytest.approx(due.timestamp(), abs=0.1)  # not 200 ms or more after the grant's time
 
 
 def test_a_reserved_grant_given_up_returns_its_slot(engine: sa.Engine) -> None:
