@@ -574,8 +574,10 @@ def deployed_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = DEPL
                "binding_route": route, "entities_per_s": rate, "allowed_per_s": allowed, "ratio_to_allowed": ratio,
                "cores_busy": busy, "machine_cpu_ms_per_entity": 1000 * (outcome.machine_cpu_seconds or 0.0) / n,
                "refused_429": sum(m["limited"] for m in meters.values()),
-               "routes": {r: {k: m[k] for k in ("admitted", "limited", "peak_concurrency", "peak_rate_per_second")}
+               "routes": {r: {k: m[k] for k in ("admitted", "limited", "limited_by", "limited_after_a_stall",
+                                                "peak_concurrency", "peak_rate_per_second")}
                           for r, m in meters.items() if m.get("admitted") or m.get("limited")},
+               "sandbox_loop": sandbox.loop(),
                "run_worker_busy": outcome.run_worker_busy,
                "cap": deployed_cap(ratio, busy, "rate_per_second" in PROVIDERS[route], share=DEPLOYED_RATE_SHARE,
                                    run_busy=outcome.run_worker_busy or 0.0)}
@@ -587,8 +589,14 @@ def deployed_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = DEPL
               f"run's process {outcome.run_worker_busy or 0:.0%} of a core; refused "
               f"{row['refused_429']}; lost {row['lost']}, duplicate effects {row['duplicate_effects']}", flush=True)
         for r, m in row["routes"].items():
-            print(f"    {r}: {m['admitted']} admitted, {m['limited']} refused, peak {m['peak_concurrency']} at once, "
-                  f"{m['peak_rate_per_second']} in 1 s", flush=True)
+            why = f" {m['limited_by']}, {m['limited_after_a_stall']} within 1 s after a stall of the sandbox's own loop" \
+                if m["limited"] else ""
+            print(f"    {r}: {m['admitted']} admitted, {m['limited']} refused{why}, peak {m['peak_concurrency']} at "
+                  f"once, {m['peak_rate_per_second']} in 1 s", flush=True)
+        loop = row["sandbox_loop"]
+        print(f"    the sandbox's own event loop (the provider's clock, on this machine's cores): {loop['stalls']} stalls "
+              f"of 50 ms or more, {loop['stalls_over_100ms']} of 100 ms or more, the longest {loop['longest_stall_ms']} "
+              f"ms", flush=True)
     return rows
 
 

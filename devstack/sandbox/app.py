@@ -73,10 +73,11 @@ keeps header names only and no bodies; the effect log keeps ids and digests, nev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl
 
@@ -681,7 +682,19 @@ async def admin_clear_profile(request: Request, state: SandboxState) -> Response
 
 
 async def admin_meters(request: Request, state: SandboxState) -> Response:
-    return JSONResponse({"routes": state.meters.snapshot()})
+    return JSONResponse({"routes": state.meters.snapshot(), "loop": {"watching": state.watching,
+                                                                     **state.meters.loop()}})
+
+
+async def watch_loop(state: SandboxState, period: float = 0.01, clock: Callable[[], float] | None = None,
+                     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+    """Record every time this event loop came back to us later than asked: the sandbox itself was held up."""
+    now = clock or asyncio.get_running_loop().time
+    state.watching = True
+    while True:
+        before = now()
+        await sleep(period)
+        state.meters.note_stall(now() - before - period)
 
 
 async def admin_clear_meters(request: Request, state: SandboxState) -> Response:
@@ -768,7 +781,15 @@ def create_app(*, clock: Clock = utc_now, mail_token: str | None = None) -> Star
         HttpRoute("/_admin/store/{path:path}", admin(admin_put_object), methods=["PUT"]),
         HttpRoute("/_admin/cases/missing", admin(admin_mark_cases_missing), methods=["POST"]),
     ]
-    app = Starlette(routes=routes)
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        watcher = asyncio.create_task(watch_loop(state))
+        try:
+            yield
+        finally:
+            watcher.cancel()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
     app.state.sandbox = state
     app.state.mail_token = mail_token
     return app

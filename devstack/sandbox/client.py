@@ -115,6 +115,12 @@ class SandboxClient:
         routes: dict[str, Any] = self._call("GET", "/_admin/meters")["routes"]
         return routes if route is None else routes[route]
 
+    def loop(self) -> dict[str, Any]:
+        """The sandbox's own event loop: watching, stalls (≥ 50 ms), stalls_over_100ms, longest_stall_ms. A route's
+        `limited_after_a_stall` counts the refusals that came within a second after one."""
+        loop: dict[str, Any] = self._call("GET", "/_admin/meters")["loop"]
+        return loop
+
     def clear_meters(self) -> None:
         self._call("DELETE", "/_admin/meters")
 

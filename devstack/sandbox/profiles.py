@@ -12,6 +12,12 @@ what was admitted (peak concurrency, peak requests in any 1 s window) and what w
 counting refused requests too) and how many were refused, so a test can prove a client never exceeded
 a limit: `limited == 0` and the offered peaks are within the limits.
 
+The sandbox shares the machine with what it serves; a provider does not. When the sandbox's own event
+loop is held up (its process starved of CPU), the requests that reached its socket meanwhile are counted
+together at the end, as if they had come bunched. The meters therefore also record the loop's stalls
+(`note_stall`, fed by `app.py`'s watcher) and, per route, how many refusals came within a second after one:
+a refusal a stall explains is the sandbox's own doing, not the client's.
+
 This module decides and counts; `app.py` sleeps and answers.
 """
 
@@ -33,6 +39,7 @@ from devstack.sandbox.faults import Route
 # The standard normal quantile at 0.99: a lognormal with median m and p99 q has sigma = ln(q/m) / Z99.
 Z99 = 2.3263478740408408
 WINDOW_SECONDS = 1.0
+STALL_SECONDS = 0.05  # a pause of the sandbox's own loop at least this long is recorded
 
 Monotonic = Callable[[], float]
 
@@ -108,10 +115,14 @@ class _Meter:
     offered_peak_rate: int = 0
     admitted: int = 0
     limited: int = 0
+    limited_at: list[float] = field(default_factory=list)
+    limited_by: dict[str, int] = field(default_factory=dict)  # refusals by the limit that refused them
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, stalls: list[tuple[float, float]]) -> dict[str, Any]:
         profile = self.profile
         return {
+            "limited_by": dict(self.limited_by),
+            "limited_after_a_stall": sum(1 for t in self.limited_at if _after_a_stall(t, stalls)),
             "profile": None if profile is None else profile.model_dump(exclude_none=True),
             "in_flight": self.in_flight,
             "admitted": self.admitted,
@@ -121,6 +132,12 @@ class _Meter:
             "offered_peak_concurrency": self.offered_peak_concurrency,
             "offered_peak_rate_per_second": self.offered_peak_rate,
         }
+
+
+def _after_a_stall(t: float, stalls: list[tuple[float, float]]) -> bool:
+    """Whether `t` falls within a second after the end of a stall (end, length): a window that holds the
+    stall's end also holds what it bunched there."""
+    return any(end <= t < end + WINDOW_SECONDS for end, _ in stalls)
 
 
 def _slide(times: deque[float], now: float) -> None:
@@ -135,6 +152,7 @@ class RouteMeters:
         self._now = monotonic
         self._lock = threading.Lock()
         self._meters: dict[Route, _Meter] = {}
+        self._stalls: list[tuple[float, float]] = []  # (end, length) of each loop stall of STALL_SECONDS or more
 
     def set_profile(self, route: Route, profile: RouteProfile) -> None:
         """Replace the route's profile (its counters stay; `reset_counters` clears them)."""
@@ -158,6 +176,13 @@ class RouteMeters:
                 fresh = _Meter(profile=meter.profile, rng=meter.rng, in_flight=meter.in_flight,
                                offered_in_flight=meter.offered_in_flight)
                 self._meters[route] = fresh
+            self._stalls = []
+
+    def note_stall(self, length: float) -> None:
+        """The sandbox's event loop was held up `length` seconds, ending now (recorded from STALL_SECONDS)."""
+        if length >= STALL_SECONDS:
+            with self._lock:
+                self._stalls.append((self._now(), length))
 
     def arrive(self, route: Route) -> Admission:
         """Count an arriving request and decide: admitted (with its latency) or refused (429)."""
@@ -174,6 +199,8 @@ class RouteMeters:
             refusal = None if profile is None else self._refusal(meter, profile, now)
             if refusal is not None:
                 meter.limited += 1
+                meter.limited_at.append(now)
+                meter.limited_by[refusal.reason] = meter.limited_by.get(refusal.reason, 0) + 1
                 return refusal
             meter.in_flight += 1
             meter.admitted += 1
@@ -204,4 +231,11 @@ class RouteMeters:
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         with self._lock:
-            return {route.value: self._meters.get(route, _Meter()).snapshot() for route in Route}
+            return {route.value: self._meters.get(route, _Meter()).snapshot(self._stalls) for route in Route}
+
+    def loop(self) -> dict[str, Any]:
+        """The sandbox's own event loop: how often and how long it was held up."""
+        with self._lock:
+            lengths = [length for _, length in self._stalls]
+        return {"stalls": len(lengths), "stalls_over_100ms": sum(1 for x in lengths if x >= 0.1),
+                "longest_stall_ms": round(max(lengths, default=0.0) * 1000, 1)}

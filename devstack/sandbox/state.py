@@ -100,6 +100,7 @@ class SandboxState:
     def __init__(self, clock: Clock = utc_now) -> None:
         self._clock = clock
         self._lock = threading.RLock()
+        self.watching = False  # the app's loop watcher is running (it feeds `meters.note_stall`)
         self._start_fresh()
 
     def _start_fresh(self) -> None:

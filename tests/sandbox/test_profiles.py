@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import statistics
 import time
@@ -11,7 +12,9 @@ import httpx
 import pytest
 
 from devstack.sandbox import SandboxClient
+from devstack.sandbox.app import watch_loop
 from devstack.sandbox.profiles import Latency, RouteMeters, RouteProfile
+from devstack.sandbox.state import SandboxState
 from devstack.sandbox.faults import Route
 
 from .payloads import LLM_AUTH, chat_body
@@ -53,6 +56,52 @@ def test_the_rate_window_admits_at_most_the_rate_in_any_second() -> None:
     assert meters.arrive(Route.MAIL_SEND).admitted
     snap = meters.snapshot()["mail.send"]
     assert (snap["peak_rate_per_second"], snap["offered_peak_rate_per_second"], snap["limited"]) == (5, 6, 1)
+
+
+def test_a_refusal_right_after_the_sandboxs_own_stall_is_told_apart() -> None:
+    """The sandbox's loop held up 150 ms: requests that came meanwhile are counted at its end, bunched. A refusal
+    within the second after it is counted as the stall's; one later, or after a stall too short to record, is not."""
+    now = [100.0]
+    meters = RouteMeters(lambda: now[0])
+    meters.set_profile(Route.LLM, RouteProfile(rate_per_second=2))
+
+    def refused_now() -> None:
+        for _ in range(3):  # the third within one second is refused
+            meters.leave(Route.LLM, meters.arrive(Route.LLM).admitted)
+        now[0] += 1.5
+
+    meters.note_stall(0.04)  # too short to record
+    refused_now()
+    meters.note_stall(0.15)
+    refused_now()  # right after a recorded stall
+    refused_now()  # 1.5 s later: not the stall's
+    snap, loop = meters.snapshot()["llm"], meters.loop()
+    assert (snap["limited"], snap["limited_after_a_stall"], snap["limited_by"]) == (3, 1, {"rate": 3})
+    assert loop == {"stalls": 1, "stalls_over_100ms": 1, "longest_stall_ms": 150.0}
+    meters.reset_counters()
+    assert meters.loop()["stalls"] == 0
+
+
+def test_the_watcher_records_a_turn_of_the_loop_that_came_back_late() -> None:
+    """The watcher asks to be woken in 10 ms; woken 160 ms later, it records a 150 ms stall."""
+    state = SandboxState()
+    ticks = [0.0]
+    woken = [0.01, 0.16, 0.01]
+
+    async def sleep(_: float) -> None:
+        if not woken:
+            raise asyncio.CancelledError
+        ticks[0] += woken.pop(0)
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(watch_loop(state, clock=lambda: ticks[0], sleep=sleep))
+    assert state.watching
+    assert state.meters.loop() == {"stalls": 1, "stalls_over_100ms": 1, "longest_stall_ms": 150.0}
+
+
+def test_the_running_sandbox_watches_its_own_loop(sandbox: SandboxClient) -> None:
+    """The sandbox's process starts the watcher with the app: its meters can tell its own stalls apart."""
+    assert sandbox.loop()["watching"] is True
 
 
 def test_fixed_latency_delays_every_answer(sandbox: SandboxClient, http: httpx.Client) -> None:
