@@ -596,7 +596,8 @@ def deployed_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = DEPL
         loop = row["sandbox_loop"]
         print(f"    the sandbox's own event loop (the provider's clock, on this machine's cores): {loop['stalls']} stalls "
               f"of 50 ms or more, {loop['stalls_over_100ms']} of 100 ms or more, the longest {loop['longest_stall_ms']} "
-              f"ms", flush=True)
+              f"ms; its garbage collector's pauses of 50 ms or more: {loop['collections_over_50ms']}, the longest "
+              f"{loop['longest_collection_ms']} ms", flush=True)
     return rows
 
 

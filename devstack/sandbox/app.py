@@ -36,7 +36,9 @@ Admin routes (no auth):
                                                  "max_concurrent": n, "rate_per_second": r, "retry_after": s}
     DELETE /_admin/routes/{route}/profile
     GET    /_admin/meters                       per route: peak concurrency, peak requests in any 1 s window,
-                                                the same for what was offered, and how many were refused (429)
+                                                the same for what was offered, and how many were refused (429),
+                                                by which limit and how many within 1 s after a stall of the
+                                                sandbox's own event loop ("loop": its stalls, its GC pauses)
     DELETE /_admin/meters                       forget the counters (profiles stay)
     GET    /_admin/effects?kind=K               {"effects": [{"seq", "kind", "at", ...data}]}
     GET    /_admin/effects/count?kind=K         {"count": n}
@@ -74,9 +76,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl
@@ -686,6 +690,20 @@ async def admin_meters(request: Request, state: SandboxState) -> Response:
                                                                      **state.meters.loop()}})
 
 
+def timed_collections(state: SandboxState, clock: Callable[[], float] = time.perf_counter,
+                      ) -> Callable[[str, dict[str, Any]], None]:
+    """A `gc.callbacks` entry that times each collection: a long one is a stall of the sandbox's own making."""
+    started = [0.0]
+
+    def collected(phase: str, _: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = clock()
+        else:
+            state.meters.note_collection(clock() - started[0])
+
+    return collected
+
+
 async def watch_loop(state: SandboxState, period: float = 0.01, clock: Callable[[], float] | None = None,
                      sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
     """Record every time this event loop came back to us later than asked: the sandbox itself was held up."""
@@ -784,9 +802,12 @@ def create_app(*, clock: Clock = utc_now, mail_token: str | None = None) -> Star
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         watcher = asyncio.create_task(watch_loop(state))
+        collections = timed_collections(state)
+        gc.callbacks.append(collections)
         try:
             yield
         finally:
+            gc.callbacks.remove(collections)
             watcher.cancel()
 
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -153,6 +153,7 @@ class RouteMeters:
         self._lock = threading.Lock()
         self._meters: dict[Route, _Meter] = {}
         self._stalls: list[tuple[float, float]] = []  # (end, length) of each loop stall of STALL_SECONDS or more
+        self._collections: list[float] = []  # lengths of the garbage collector's pauses of STALL_SECONDS or more
 
     def set_profile(self, route: Route, profile: RouteProfile) -> None:
         """Replace the route's profile (its counters stay; `reset_counters` clears them)."""
@@ -177,6 +178,13 @@ class RouteMeters:
                                offered_in_flight=meter.offered_in_flight)
                 self._meters[route] = fresh
             self._stalls = []
+            self._collections = []
+
+    def note_collection(self, length: float) -> None:
+        """The garbage collector held this process `length` seconds (a stall it explains). Called from inside
+        the collector, which may have interrupted a holder of the lock: a bare append, no lock."""
+        if length >= STALL_SECONDS:
+            self._collections.append(length)
 
     def note_stall(self, length: float) -> None:
         """The sandbox's event loop was held up `length` seconds, ending now (recorded from STALL_SECONDS)."""
@@ -237,5 +245,8 @@ class RouteMeters:
         """The sandbox's own event loop: how often and how long it was held up."""
         with self._lock:
             lengths = [length for _, length in self._stalls]
+            collections = list(self._collections)
         return {"stalls": len(lengths), "stalls_over_100ms": sum(1 for x in lengths if x >= 0.1),
-                "longest_stall_ms": round(max(lengths, default=0.0) * 1000, 1)}
+                "longest_stall_ms": round(max(lengths, default=0.0) * 1000, 1),
+                "collections_over_50ms": len(collections),
+                "longest_collection_ms": round(max(collections, default=0.0) * 1000, 1)}

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from devstack.sandbox import SandboxClient
-from devstack.sandbox.app import watch_loop
+from devstack.sandbox.app import timed_collections, watch_loop
 from devstack.sandbox.profiles import Latency, RouteMeters, RouteProfile
 from devstack.sandbox.state import SandboxState
 from devstack.sandbox.faults import Route
@@ -77,7 +77,8 @@ def test_a_refusal_right_after_the_sandboxs_own_stall_is_told_apart() -> None:
     refused_now()  # 1.5 s later: not the stall's
     snap, loop = meters.snapshot()["llm"], meters.loop()
     assert (snap["limited"], snap["limited_after_a_stall"], snap["limited_by"]) == (3, 1, {"rate": 3})
-    assert loop == {"stalls": 1, "stalls_over_100ms": 1, "longest_stall_ms": 150.0}
+    assert loop == {"stalls": 1, "stalls_over_100ms": 1, "longest_stall_ms": 150.0, "collections_over_50ms": 0,
+                    "longest_collection_ms": 0.0}
     meters.reset_counters()
     assert meters.loop()["stalls"] == 0
 
@@ -96,7 +97,20 @@ def test_the_watcher_records_a_turn_of_the_loop_that_came_back_late() -> None:
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(watch_loop(state, clock=lambda: ticks[0], sleep=sleep))
     assert state.watching
-    assert state.meters.loop() == {"stalls": 1, "stalls_over_100ms": 1, "longest_stall_ms": 150.0}
+    assert state.meters.loop()["stalls"] == 1 and state.meters.loop()["longest_stall_ms"] == 150.0
+
+
+def test_a_long_garbage_collection_is_recorded_as_the_sandboxs_own_pause() -> None:
+    """Timed by its gc callback: a 70 ms collection is recorded, a 10 ms one is not."""
+    state = SandboxState()
+    ticks = [0.0]
+    collected = timed_collections(state, clock=lambda: ticks[0])
+    for length in (0.07, 0.01):
+        collected("start", {})
+        ticks[0] += length
+        collected("stop", {})
+    loop = state.meters.loop()
+    assert (loop["collections_over_50ms"], loop["longest_collection_ms"]) == (1, 70.0)
 
 
 def test_the_running_sandbox_watches_its_own_loop(sandbox: SandboxClient) -> None:
