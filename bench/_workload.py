@@ -160,6 +160,27 @@ def deployment(settings: Settings, home: Path, *, only: tuple[str, ...] = ("code
             drop_database(admin, name)
 
 
+def clear_evidence_inbox(defs: Any) -> int:
+    """Delete every object under the evidence S3 inbox; how many. The inbox is moto's, shared by every deployment of
+    a bench session: a ZIP an earlier pipeline's load left there is a new file job to the next deployment's fresh
+    database, whose inbox sensor ingests it and launches evidence runs in the middle of another pipeline's figures."""
+    from assets.evidence.settings import EvidenceSettings
+    from redrive.settings import Settings as Core
+
+    client, evidence = defs.resources["s3"].get_client(), EvidenceSettings()
+    bucket = evidence.bucket or Core().redrive_bucket
+    deleted = 0
+    try:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=evidence.inbox_prefix):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+                deleted += len(keys)
+    except client.exceptions.NoSuchBucket:
+        return 0
+    return deleted
+
+
 def drop_evidence_zips(defs: Any, zips: list[tuple[str, bytes]],
                        notify_to: str = "merchant@example.com") -> list[tuple[str, str, str]]:
     """Put file-job ZIPs in the evidence S3 inbox (the inbox sensor takes it from there); (bucket, key, etag)s."""
