@@ -242,8 +242,8 @@ class Topology:
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as out:
             # a session of its own: Ctrl-C in the terminal reaches `serve`, which stops the services in order
-            proc = subprocess.Popen(argv, cwd=PROJECT_ROOT, env=self._child_env(), stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_default_signals)
+            proc = subprocess.Popen([*_DEFAULT_SIGNALS, *argv], cwd=PROJECT_ROOT, env=self._child_env(), stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.processes[name] = Process(service, name, proc, log)
 
     def _wait(self, name: str) -> None:
@@ -352,11 +352,13 @@ def grpc_serving(host: str, port: int, timeout: float = 2.0) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _default_signals() -> None:
-    """In the child: SIGINT and SIGTERM back to their defaults. A parent started in the background has SIGINT
-    ignored, the child inherits that, and Dagster maps SIGTERM onto SIGINT's handler: it would ignore SIGTERM."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+# Run before each service: SIGINT and SIGTERM back to their defaults, then exec the service (same pid). A parent
+# started in the background has SIGINT ignored, the child inherits that, and Dagster maps SIGTERM onto SIGINT's
+# handler: it would ignore SIGTERM. Done in the child's own program, not in a `preexec_fn`: that makes `subprocess`
+# fork() and run the parent's at-fork handlers, and a parent that has used gRPC (a bench starting a second
+# deployment) hung there on a futex with gRPC's timer thread beside it.
+_DEFAULT_SIGNALS = (sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                    "signal.signal(signal.SIGTERM, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])")
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -211,3 +213,23 @@ def test_one_service_restarts_by_name_on_its_port(db_url: str, project_tmp: Path
             psutil.Process(before["conversion-api"]).status() == psutil.STATUS_ZOMBIE
         assert len(topology.survivors()) >= 3  # the marker finds the live ones
     assert topology.survivors() == []
+
+
+def test_a_service_starts_with_sigint_and_sigterm_at_their_defaults_from_a_parent_that_ignores_them() -> None:
+    """Started in the background, `make serve` has SIGINT ignored; its services must not inherit that (Dagster maps
+    SIGTERM onto SIGINT's handler and would ignore SIGTERM too). The reset runs in the service's own program (the
+    `_DEFAULT_SIGNALS` prefix execs it, same pid), not in a `preexec_fn`, which would fork with the parent's at-fork
+    handlers: a parent that had used gRPC hung there."""
+    from devstack.topology import _DEFAULT_SIGNALS
+
+    report = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, " \
+             "signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
+    parent = ("import signal, subprocess, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"print(subprocess.run([*{_DEFAULT_SIGNALS!r}, sys.executable, '-c', {report!r}], "
+              "capture_output=True, text=True).stdout.strip()); "
+              f"print(subprocess.run([sys.executable, '-c', {report!r}], capture_output=True, text=True).stdout.strip())")
+    reset, inherited = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True,
+                                      check=True).stdout.splitlines()
+    assert reset == "True True"
+    assert inherited == "False False"  # without the prefix the child keeps the parent's ignored signals
