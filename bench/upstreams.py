@@ -36,7 +36,9 @@ the limiter's rate share, or too few in flight).
 
 Part 2d, CPU an entity (`--part cpu`): on an instant upstream, each pipeline through the topology against a bare
 loop in this process doing the same upstream calls and the pipeline's own writes with no engine; machine CPU, rotated
-rounds, medians and the ratio (target ≤ 2×).
+rounds, medians and the ratio (target ≤ 2×). At two or more sizes (`BENCH_UPSTREAMS_CPU_SIZES`, default 2,000 and
+8,000) it also splits each contender's CPU into what each more entity costs (the line through the sizes' medians) and
+what the run costs whatever its size (the deployment's start, its runs' start-up): the first is the verdict's.
 
 Part 3, an outage (`outage_part`): the LLM answers 503 to everything for 60 s at full load; the retries sent
 stay within the retry budget, throughput comes back within 30 s, nothing is lost or called twice, one alert.
@@ -601,8 +603,18 @@ def deployed_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = DEPL
     return rows
 
 
-CPU_ENTITIES = int(os.environ.get("BENCH_UPSTREAMS_CPU_ENTITIES", "2000"))
+CPU_SIZES = tuple(int(n) for n in os.environ.get("BENCH_UPSTREAMS_CPU_SIZES", "2000,8000").split(",") if n)
 CPU_ROUNDS = int(os.environ.get("BENCH_UPSTREAMS_CPU_ROUNDS", "2"))
+
+
+def marginal_cost(cpu_seconds: dict[int, float]) -> tuple[float, float]:
+    """Pure: (ms of CPU each more entity costs, CPU seconds a run costs whatever its size) from the CPU seconds
+    measured at several sizes, by the least-squares line through them. With one size, all of it is per entity."""
+    if len(cpu_seconds) < 2:
+        (n, cpu), = cpu_seconds.items()
+        return 1000 * cpu / n, 0.0
+    slope, intercept = statistics.linear_regression(list(cpu_seconds), list(cpu_seconds.values()))
+    return 1000 * slope, intercept
 
 
 def _bare_criticizer(runtime: Any, resources: Any, session: str, n: int) -> None:
@@ -672,11 +684,12 @@ def _bare_evidence(runtime: Any, resources: Any, session: str, n: int) -> None:
 BARE = {"criticizer": _bare_criticizer, "review_notifications": _bare_review, "evidence": _bare_evidence}
 
 
-def cpu_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = CPU_ENTITIES,
+def cpu_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, sizes: tuple[int, ...] = CPU_SIZES,
              rounds: int = CPU_ROUNDS) -> list[dict[str, Any]]:
     """On an instant upstream: each pipeline's machine CPU an entity (every process on the machine counted)
     through `make serve`'s topology, against a bare loop in this process doing the same upstream calls and the
-    pipeline's own writes with no drain, no Dagster, no work queue. Rotated rounds; medians and their ratio."""
+    pipeline's own writes with no drain, no Dagster, no work queue. Rotated rounds; medians and their ratio, at
+    each size; across sizes, what each more entity costs apart from what a run costs whatever its size."""
     from bench.scale import _DEFS, CRITIQUE, LOADS, run_deployed
     from bench._workload import migrated_database, postgres_pids
     from orchestration.definitions import build_definitions
@@ -685,43 +698,54 @@ def cpu_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = CPU_ENTIT
     def instant(sandbox: SandboxClient) -> None:
         sandbox.set_default("llm", content=json.dumps(CRITIQUE))
 
-    print(f"\nCPU an entity on an instant upstream: make serve's topology against a bare loop, {n} entities, "
-          f"{rounds} rounds each")
+    print(f"\nCPU an entity on an instant upstream: make serve's topology against a bare loop, "
+          f"{' and '.join(map(str, sizes))} entities, {rounds} rounds each")
     rows = []
     for name in pipelines:
         load = LOADS[name]
-        taken: dict[str, list[float]] = {"deployed": [], "bare": []}
-        for r in range(rounds):
-            for how in (("bare", "deployed") if r % 2 == 0 else ("deployed", "bare")):
-                session = uuid.uuid4().hex[:6]
-                with migrated_database(f"bench_upstreams_cpu_{name}_{how}") as url:
-                    settings = Settings(database_url=url, redrive_time_scale=1.0)
-                    defs = build_definitions(settings)
-                    _DEFS.append(defs)
-                    if how == "deployed":
-                        outcome = run_deployed(load, settings, n, session, postgres_pids(url), timeout=3600,
-                                               upstreams=instant)
-                        cpu, wall, left = outcome.machine_cpu_seconds or 0.0, outcome.seconds, outcome.open_left
-                    else:
-                        sandbox = SandboxClient(os.environ["SANDBOX_URL"], timeout=30)
-                        sandbox.reset()
-                        instant(sandbox)
-                        runtime = defs.resources["reliability"].runtime()
-                        engine = engine_for(url)
-                        cpu, started = machine_cpu(), time.perf_counter()
-                        if name != "evidence":  # evidence's file jobs are ingested by its loop
-                            load.submit(engine, sandbox, session, n)
-                        BARE[name](runtime, defs.resources, session, n)
-                        wall, cpu, left = time.perf_counter() - started, machine_cpu() - cpu, 0
-                taken[how].append(1000 * cpu / n)
-                print(f"  {name} {how:<8} round {r + 1}: {1000 * cpu / n:6.1f} ms machine CPU an entity, "
-                      f"{n / wall:6.1f} entities/s{f', {left} left open' if left else ''}", flush=True)
-        deployed, bare = statistics.median(taken["deployed"]), statistics.median(taken["bare"])
-        rows.append({"pipeline": name, "entities": n, "deployed_cpu_ms": deployed, "bare_cpu_ms": bare,
-                     "ratio": deployed / bare, "met": deployed <= 2 * bare})
-        print(f"  {name}: deployed {deployed:.1f} ms, bare loop {bare:.1f} ms an entity (medians): "
-              f"{deployed / bare:.2f}× the bare loop (target ≤ 2×: {'met' if deployed <= 2 * bare else 'NOT met'})",
-              flush=True)
+        medians: dict[str, dict[int, float]] = {"deployed": {}, "bare": {}}  # CPU seconds, by size
+        for n in sizes:
+            taken: dict[str, list[float]] = {"deployed": [], "bare": []}
+            for r in range(rounds):
+                for how in (("bare", "deployed") if r % 2 == 0 else ("deployed", "bare")):
+                    session = uuid.uuid4().hex[:6]
+                    with migrated_database(f"bench_upstreams_cpu_{name}_{how}") as url:
+                        settings = Settings(database_url=url, redrive_time_scale=1.0)
+                        defs = build_definitions(settings)
+                        _DEFS.append(defs)
+                        if how == "deployed":
+                            outcome = run_deployed(load, settings, n, session, postgres_pids(url), timeout=3600,
+                                                   upstreams=instant)
+                            cpu, wall, left = outcome.machine_cpu_seconds or 0.0, outcome.seconds, outcome.open_left
+                        else:
+                            sandbox = SandboxClient(os.environ["SANDBOX_URL"], timeout=30)
+                            sandbox.reset()
+                            instant(sandbox)
+                            runtime = defs.resources["reliability"].runtime()
+                            engine = engine_for(url)
+                            cpu, started = machine_cpu(), time.perf_counter()
+                            if name != "evidence":  # evidence's file jobs are ingested by its loop
+                                load.submit(engine, sandbox, session, n)
+                            BARE[name](runtime, defs.resources, session, n)
+                            wall, cpu, left = time.perf_counter() - started, machine_cpu() - cpu, 0
+                    taken[how].append(cpu)
+                    print(f"  {name} {how:<8} {n} round {r + 1}: {1000 * cpu / n:6.1f} ms machine CPU an entity, "
+                          f"{n / wall:6.1f} entities/s{f', {left} left open' if left else ''}", flush=True)
+            for how in taken:
+                medians[how][n] = statistics.median(taken[how])
+            deployed, bare = 1000 * medians["deployed"][n] / n, 1000 * medians["bare"][n] / n
+            print(f"  {name} at {n}: deployed {deployed:.1f} ms, bare loop {bare:.1f} ms an entity (medians): "
+                  f"{deployed / bare:.2f}× the bare loop", flush=True)
+        (deployed, fixed), (bare, bare_fixed) = marginal_cost(medians["deployed"]), marginal_cost(medians["bare"])
+        largest = max(sizes)
+        whole = medians["deployed"][largest] / medians["bare"][largest]
+        rows.append({"pipeline": name, "sizes": sizes, "deployed_cpu_ms": deployed, "bare_cpu_ms": bare,
+                     "deployed_fixed_s": fixed, "bare_fixed_s": bare_fixed, "ratio": deployed / bare,
+                     "whole_run_ratio": whole, "met": deployed <= 2 * bare})
+        print(f"  {name}: each more entity costs {deployed:.1f} ms deployed, {bare:.1f} ms in the bare loop: "
+              f"{deployed / bare:.2f}× (target ≤ 2×: {'met' if deployed <= 2 * bare else 'NOT met'}); a deployed "
+              f"run costs {fixed:.1f} CPU-s whatever its size (the bare loop {bare_fixed:.1f}); the whole run at "
+              f"{largest}: {whole:.2f}×", flush=True)
     return rows
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 
-from bench.upstreams import allowed_per_second, deployed_cap, recovery_seconds, scale_out, steady_rate
+from bench.upstreams import allowed_per_second, deployed_cap, marginal_cost, recovery_seconds, scale_out, steady_rate
 
 T0 = datetime(2026, 11, 27, tzinfo=UTC)
 
@@ -55,3 +55,15 @@ def test_scale_out_names_the_cores_only_when_they_ran_out() -> None:
     verdicts = scale_out({1: 10.0, 2: 19.0, 4: 30.0}, {1: 0.3, 2: 0.6, 4: 0.97}, cores=2)
     assert verdicts[2].startswith("1.90×") and "ran out" not in verdicts[2]
     assert verdicts[4].startswith("3.00×") and "2 cores ran out (97% busy)" in verdicts[4]
+
+
+def test_the_cost_of_each_more_entity_is_told_apart_from_what_a_run_costs_whatever_its_size() -> None:
+    """30 CPU-s to start a deployment and 20 ms an entity: 70 s at 2,000, 190 s at 8,000. Per entity, the whole run
+    says 35 and 23.75 ms; each more entity costs 20 ms, and the run 30 s."""
+    per_entity, fixed = marginal_cost({2000: 70.0, 8000: 190.0})
+    assert math.isclose(per_entity, 20.0) and math.isclose(fixed, 30.0)
+    # three sizes with noise: the least-squares line, not the two ends
+    per_entity, fixed = marginal_cost({1000: 50.5, 2000: 69.0, 4000: 110.5})
+    assert 19.5 < per_entity < 20.5 and 29.0 < fixed < 31.0
+    # one size: nothing tells the run's cost apart, so all of it is per entity
+    assert marginal_cost({2000: 70.0}) == (35.0, 0.0)
