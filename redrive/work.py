@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB, insert
 
 from redrive.liveness import holder_alive
-from redrive.schema import work_items
+from redrive.schema import TZ, work_items
 
 DUE, LEASED, DONE, DEAD = "due", "leased", "done", "dead"
 OPEN_STATUSES = (DUE, LEASED)
@@ -78,29 +78,67 @@ def claim(conn: sa.Connection, pipeline: str, *, owner: str, limit: int, lease_s
           group_key: str | None = None) -> list[WorkItem]:
     """Lease up to `limit` due rows (oldest due first), skipping rows another holder is claiming.
     A holder the watchdog declared dead claims nothing (`redrive.liveness`)."""
-    picked = sa.select(work_items.c.id).where(
-        holder_alive(owner),
-        work_items.c.pipeline == pipeline,
-        work_items.c.status.in_(OPEN_STATUSES),
-        work_items.c.due_at <= now,
-    )
-    if group_key is not None:
-        picked = picked.where(work_items.c.group_key == group_key)
-    picked = picked.order_by(work_items.c.due_at).limit(limit).with_for_update(skip_locked=True).cte("picked")
-    rows = conn.execute(
-        sa.update(work_items)
-        .where(work_items.c.id == picked.c.id)
-        .values(status=LEASED, lease_owner=owner, lease_epoch=work_items.c.lease_epoch + 1,
-                due_at=now + timedelta(seconds=lease_seconds), updated_at=now)
-        .returning(*work_items.c)
-    )
+    rows = conn.execute(_CLAIM_GROUP if group_key is not None else _CLAIM, {
+        "claim_pipeline": pipeline, "claim_owner": owner, "claim_limit": limit, "claim_now": now,
+        "claim_group": group_key, "lease_end": now + timedelta(seconds=lease_seconds)})
     return sorted((WorkItem.from_row(r) for r in rows), key=lambda i: i.id)
+
+
+def _claim_statement(*, grouped: bool) -> sa.Update:
+    picked = sa.select(work_items.c.id).where(
+        holder_alive(sa.bindparam("claim_owner", type_=sa.Text)),
+        work_items.c.pipeline == sa.bindparam("claim_pipeline", type_=sa.Text),
+        work_items.c.status.in_(OPEN_STATUSES),
+        work_items.c.due_at <= sa.bindparam("claim_now", type_=TZ),
+    )
+    if grouped:
+        picked = picked.where(work_items.c.group_key == sa.bindparam("claim_group", type_=sa.Text))
+    picked = picked.order_by(work_items.c.due_at).limit(sa.bindparam("claim_limit", type_=sa.Integer)) \
+        .with_for_update(skip_locked=True).cte("picked")
+    return (sa.update(work_items)
+            .where(work_items.c.id == picked.c.id)
+            .values(status=LEASED, lease_owner=sa.bindparam("claim_owner", type_=sa.Text),
+                    lease_epoch=work_items.c.lease_epoch + 1, due_at=sa.bindparam("lease_end", type_=TZ),
+                    updated_at=sa.bindparam("claim_now", type_=TZ))
+            .returning(*work_items.c))
+
+
+# The statements a holder runs for every entity are built once, with bound parameters: building one and its cache
+# key at every call cost the drain more CPU than PostgreSQL's executing it (issue 26: CPU an entity).
+_CLAIM, _CLAIM_GROUP = _claim_statement(grouped=False), _claim_statement(grouped=True)
 
 
 def _held(item: WorkItem) -> sa.ColumnElement[bool]:
     """Still ours: the epoch we claimed with, still leased, and our holder not declared dead (issue 25)."""
     return sa.and_(work_items.c.id == item.id, work_items.c.lease_epoch == item.lease_epoch,
                    work_items.c.status == LEASED, holder_alive(work_items.c.lease_owner))
+
+
+def _settlement(**values: Any) -> sa.Update:
+    """A held row's settlement (`_held`, its item's id and epoch bound at each call), built once: `_settle` runs it."""
+    held = sa.and_(work_items.c.id == sa.bindparam("held_id", type_=sa.BigInteger),
+                   work_items.c.lease_epoch == sa.bindparam("held_epoch", type_=sa.BigInteger),
+                   work_items.c.status == LEASED, holder_alive(work_items.c.lease_owner))
+    return sa.update(work_items).where(held).values(lease_owner=None, updated_at=sa.bindparam("settled_at", type_=TZ),
+                                                    **values)
+
+
+def _settle(conn: sa.Connection, statement: sa.Update, item: WorkItem, now: datetime, **params: Any) -> bool:
+    """True if the row was still ours and is settled; False if its lease was taken (fencing)."""
+    return conn.execute(statement, {"held_id": item.id, "held_epoch": item.lease_epoch, "settled_at": now,
+                                    **params}).rowcount == 1
+
+
+_NEW_ATTEMPTS = sa.bindparam("new_attempts", type_=JSONB)
+_NEW_PAYLOAD = sa.bindparam("new_payload", type_=JSONB)
+_NEW_STAGE = sa.bindparam("new_stage", type_=sa.Text)
+_NEW_ERROR = sa.bindparam("new_error", type_=sa.Text)
+_NEW_DUE_AT = sa.bindparam("new_due_at", type_=TZ)
+_COMPLETE = _settlement(status=DONE, stage=None, attempts=_NEW_ATTEMPTS, payload={}, last_error=None)
+_RESCHEDULE = _settlement(status=DUE, due_at=_NEW_DUE_AT, stage=_NEW_STAGE, attempts=_NEW_ATTEMPTS,
+                          last_error=_NEW_ERROR, payload=_NEW_PAYLOAD)
+_DEFER = _settlement(status=DUE, due_at=_NEW_DUE_AT, attempts=_NEW_ATTEMPTS, payload=_NEW_PAYLOAD)
+_BURY = _settlement(status=DEAD, stage=_NEW_STAGE, attempts=_NEW_ATTEMPTS, last_error=_NEW_ERROR, payload={})
 
 
 def extend(conn: sa.Connection, items: Sequence[WorkItem], *, lease_seconds: float, now: datetime) -> int:
@@ -114,26 +152,22 @@ def extend(conn: sa.Connection, items: Sequence[WorkItem], *, lease_seconds: flo
 
 def complete(conn: sa.Connection, item: WorkItem, *, now: datetime,
              attempts: Mapping[str, int] | None = None) -> bool:
-    return conn.execute(sa.update(work_items).where(_held(item)).values(
-        status=DONE, stage=None, attempts=dict(attempts if attempts is not None else item.attempts),
-        payload={}, last_error=None, lease_owner=None, updated_at=now)).rowcount == 1
+    return _settle(conn, _COMPLETE, item, now, new_attempts=dict(attempts if attempts is not None else item.attempts))
 
 
 def reschedule(conn: sa.Connection, item: WorkItem, *, due_at: datetime, stage: str, attempts: Mapping[str, int],
                error: str, now: datetime) -> bool:
     """The next attempt is a row falling due, not a run (the seeds' schedules live here)."""
-    return conn.execute(sa.update(work_items).where(_held(item)).values(
-        status=DUE, due_at=due_at, stage=stage, attempts=dict(attempts), last_error=error[:500],
-        payload=_without_replay_start(item.payload), lease_owner=None, updated_at=now)).rowcount == 1
+    return _settle(conn, _RESCHEDULE, item, now, new_due_at=due_at, new_stage=stage, new_attempts=dict(attempts),
+                   new_error=error[:500], new_payload=_without_replay_start(item.payload))
 
 
 def defer(conn: sa.Connection, item: WorkItem, *, due_at: datetime, attempts: Mapping[str, int],
           now: datetime) -> bool:
     """Not finished, not failed: the entity has more work on its own schedule (evidence: artifacts whose
     next retry falls due later), so the row falls due then; no failure is recorded."""
-    return conn.execute(sa.update(work_items).where(_held(item)).values(
-        status=DUE, due_at=due_at, attempts=dict(attempts), payload=_without_replay_start(item.payload),
-        lease_owner=None, updated_at=now)).rowcount == 1
+    return _settle(conn, _DEFER, item, now, new_due_at=due_at, new_attempts=dict(attempts),
+                   new_payload=_without_replay_start(item.payload))
 
 
 def poke(conn: sa.Connection, pipeline: str, entity_refs: Sequence[str], *, now: datetime) -> int:
@@ -149,9 +183,7 @@ def poke(conn: sa.Connection, pipeline: str, entity_refs: Sequence[str], *, now:
 def bury(conn: sa.Connection, item: WorkItem, *, stage: str, attempts: Mapping[str, int], error: str,
          now: datetime) -> bool:
     """Dead: the dead letter (written in the same transaction) is now the entity's record."""
-    return conn.execute(sa.update(work_items).where(_held(item)).values(
-        status=DEAD, stage=stage, attempts=dict(attempts), last_error=error[:500], payload={},
-        lease_owner=None, updated_at=now)).rowcount == 1
+    return _settle(conn, _BURY, item, now, new_stage=stage, new_attempts=dict(attempts), new_error=error[:500])
 
 
 def record_dead(conn: sa.Connection, pipeline: str, entity_ref: str, *, stage: str, attempts: Mapping[str, int],

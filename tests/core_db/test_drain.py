@@ -12,6 +12,7 @@ import sqlalchemy as sa
 from redrive import checkpoints, deadletters, work
 from redrive.backoff import FixedSchedule
 from redrive.clock import FrozenClock
+from redrive.db import POOL_CONNECTIONS
 from redrive.drain import Attempt, Drain
 from redrive.failures import Code, Failure, PermanentError
 from redrive.reliability import Reliability
@@ -60,6 +61,29 @@ def test_every_due_entity_is_worked_once_in_batches(engine) -> None:
     assert sorted(seen) == sorted(f"e-{i}" for i in range(120))
     assert report.done == 120 and report.claimed == 120 and report.batches >= 12
     assert set(statuses(engine).values()) == {"done"}
+
+
+def test_a_drain_at_eight_in_flight_keeps_its_connections_instead_of_opening_one_per_entity(engine) -> None:
+    """80 entities, 8 at once, each holding a pooled connection until all 8 hold one (a barrier): every entity's
+    connection is one the pool kept, so the run's server backends are at most the pool's cap. With 5 kept and
+    the rest as overflow, each round closed 3 and opened 3 new ones, about 35 backends in all (issue 26)."""
+    clock = FrozenClock(START)
+    enqueue(engine, 80, clock)
+    together = threading.Barrier(8, timeout=30)
+    backends: set[int] = set()
+    lock = threading.Lock()
+
+    def handle(attempt: Attempt) -> None:
+        with engine.connect() as conn:
+            pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+            together.wait()  # all 8 in flight hold a connection at once
+        with lock:
+            backends.add(pid)
+        attempt.stage("fetch", lambda: {"ok": True})
+
+    report = drain(engine, clock, concurrency=8).run(handle)
+    assert report.done == 80
+    assert 8 <= len(backends) <= POOL_CONNECTIONS
 
 
 def test_enqueue_is_idempotent_and_a_rerun_reopens_only_finished_work(engine) -> None:
