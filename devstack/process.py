@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,10 +16,32 @@ from pathlib import Path
 import httpx
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
+    """A port nothing listens on, for a service to bind in a moment: one below the kernel's ephemeral range. A port
+    `bind(0)` hands out is an ephemeral one, which any outgoing connection may take before the service binds it (the
+    topology's webserver failed to start that way: `address already in use`)."""
+    low = ephemeral_low()
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # all of them taken: the kernel's choice, as before
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def ephemeral_low() -> int:
+    """The first port of the range the kernel gives outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from devstack.process import ephemeral_low, free_port
 from redrive.settings import PROJECT_ROOT
 
 # the same against any PostgreSQL: `make test-ci` (CI's second pass, on DATABASE_URL) leaves it out
@@ -42,6 +44,16 @@ def _run_stack(data_dir: Path, marker: Path) -> subprocess.CompletedProcess[str]
     return subprocess.run([sys.executable, "-m", "devstack", "run", "--purpose", "lifecycle", "--",
                            sys.executable, "-c", probe],
                           cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_a_services_port_is_free_and_outside_the_range_outgoing_connections_take() -> None:
+    """The ports the stack and the topology hand their services are bindable and below the kernel's ephemeral range,
+    so no outgoing connection (a client's source port) can take one before the service binds it."""
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= port < ephemeral_low() for port in ports)
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
 
 
 def test_stack_runs_twice_and_leaves_nothing_running(project_tmp: Path) -> None:
