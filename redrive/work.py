@@ -108,17 +108,19 @@ def _claim_statement(*, grouped: bool) -> sa.Update:
 _CLAIM, _CLAIM_GROUP = _claim_statement(grouped=False), _claim_statement(grouped=True)
 
 
-def _held(item: WorkItem) -> sa.ColumnElement[bool]:
+def _fence(row_id: Any, epoch: Any) -> sa.ColumnElement[bool]:
     """Still ours: the epoch we claimed with, still leased, and our holder not declared dead (issue 25)."""
-    return sa.and_(work_items.c.id == item.id, work_items.c.lease_epoch == item.lease_epoch,
+    return sa.and_(work_items.c.id == row_id, work_items.c.lease_epoch == epoch,
                    work_items.c.status == LEASED, holder_alive(work_items.c.lease_owner))
+
+
+def _held(item: WorkItem) -> sa.ColumnElement[bool]:
+    return _fence(item.id, item.lease_epoch)
 
 
 def _settlement(**values: Any) -> sa.Update:
-    """A held row's settlement (`_held`, its item's id and epoch bound at each call), built once: `_settle` runs it."""
-    held = sa.and_(work_items.c.id == sa.bindparam("held_id", type_=sa.BigInteger),
-                   work_items.c.lease_epoch == sa.bindparam("held_epoch", type_=sa.BigInteger),
-                   work_items.c.status == LEASED, holder_alive(work_items.c.lease_owner))
+    """A held row's settlement (the fence's id and epoch bound at each call), built once: `_settle` runs it."""
+    held = _fence(sa.bindparam("held_id", type_=sa.BigInteger), sa.bindparam("held_epoch", type_=sa.BigInteger))
     return sa.update(work_items).where(held).values(lease_owner=None, updated_at=sa.bindparam("settled_at", type_=TZ),
                                                     **values)
 
