@@ -13,6 +13,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert
 
+from redrive.db import compiled_once
 from redrive.schema import stage_checkpoints
 
 
@@ -38,14 +39,14 @@ def save(conn: sa.Connection, pipeline: str, entity_ref: str, stage: str, output
     conn.execute(_SAVE, {"pipeline": pipeline, "entity_ref": entity_ref, "stage": stage, "output": dict(output)})
 
 
-def _save_statement() -> sa.Insert:
-    """Built once (a stage's checkpoint is written for every entity; compiling it again each time cost the drain
-    more CPU than the write), its values bound at each call."""
+def _save_statement() -> sa.TextClause:
+    """Compiled once (a stage's checkpoint is written for every entity; compiling it again each time cost the
+    drain more CPU than the write), its values bound at each call."""
     stmt = insert(stage_checkpoints)
-    return stmt.on_conflict_do_update(
+    return compiled_once(stmt.on_conflict_do_update(
         index_elements=["pipeline", "entity_ref", "stage"],
         set_={"output": stmt.excluded.output, "completed_at": sa.func.now()},
-    )
+    ), "pipeline", "entity_ref", "stage", "output")
 
 
 _SAVE = _save_statement()

@@ -36,20 +36,35 @@ def dagster_storage_url(url: str) -> str:
     return f"postgresql+psycopg2://{rest}" if sep and scheme.startswith("postgresql") else url
 
 
+def compiled_once(stmt: sa.Insert, *keys: str) -> sa.TextClause:
+    """An INSERT … ON CONFLICT for the values `keys`, compiled once into a text statement whose binds keep their
+    types (JSONB, UUID). SQLAlchemy 2.0 caches no `postgresql.insert` (`inherit_cache = False`: its ON CONFLICT
+    clause has no cache key), so one executed for every entity was compiled again every time: 7 % of a
+    criticizer run worker's time. A text statement is cached by its text."""
+    from sqlalchemy.dialects import postgresql
+
+    compiled = stmt.compile(dialect=postgresql.dialect(paramstyle="named"), column_keys=list(keys))
+    text = compiled.string.replace("::", r"\:\:")  # a cast after a bind (`:output::JSONB`), not a bind's name
+    return sa.text(text).bindparams(*(sa.bindparam(name, type_=bind.type) for name, bind in compiled.binds.items()))
+
+
 def engine_for(url: str) -> sa.Engine:
     """One pooled engine per database per process; pre-ping so a restarted server costs one retry, not a failure."""
     return _engine(normalize_url(url))
 
 
 POOL_CONNECTIONS = 15  # a process's cap (a drain run: its I/O threads, a plain handler's threads, the heartbeat)
+POOL_KEPT = 8  # what a drain at its default 8 in flight uses steadily stays open; a burst above it is closed again
 
 
 @lru_cache(maxsize=64)
 def _engine(url: str) -> sa.Engine:
-    # Every connection the pool opened stays in it (no overflow): with 5 kept and 10 more as overflow, a drain at 8 in
-    # flight closed a connection at nearly every return and opened one at the next checkout, a new server backend
-    # each time (625 sessions for 1,000 review jobs, half of PostgreSQL's CPU for them; issue 26). The cap is as before.
-    return sa.create_engine(url, pool_pre_ping=True, pool_size=POOL_CONNECTIONS, max_overflow=0)
+    # With 5 kept and 10 more as overflow, a drain at 8 in flight closed a connection at nearly every return and
+    # opened one at the next checkout, a new server backend each time (625 sessions for 1,000 review jobs, half of
+    # PostgreSQL's CPU for them; issue 26). Keeping all 15 it ever opened made every run worker hold its peak for
+    # its whole life: 8 evidence runs or 5 matching runs at once then held more than a 100-connection server has
+    # ("too many clients", thousands in one benchmark). 8 kept is what a drain uses steadily; the cap is as before.
+    return sa.create_engine(url, pool_pre_ping=True, pool_size=POOL_KEPT, max_overflow=POOL_CONNECTIONS - POOL_KEPT)
 
 
 engine_for.cache_clear = _engine.cache_clear  # type: ignore[attr-defined]

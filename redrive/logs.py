@@ -207,7 +207,7 @@ def _one_line(instigation_logger: Any, run_modules: tuple[Any, ...]) -> None:
 
 # Third-party loggers whose INFO lines repeat on every call (botocore: "Found credentials in environment
 # variables." each time a client is made, every sensor tick; alembic: its plugins at each upgrade).
-QUIET_LOGGERS = ("botocore.credentials", "alembic.runtime.plugins", "alembic.runtime.migration")
+QUIET_LOGGERS = ("botocore.credentials", "alembic.runtime.plugins", "alembic.runtime.migration", "httpx")
 
 
 def _not_written_below_root(record: logging.LogRecord) -> bool:

@@ -608,12 +608,12 @@ def limiter_engine(url: sa.URL) -> sa.Engine:
     """The limiter's own pool on the database: autocommit (the acquire function is its own transaction, so a
     call is one round trip, not BEGIN, call, COMMIT), no pre-ping (another round trip per checkout: a
     connection the server dropped fails once and is retried), and room for 32 threads asking at once (more wait
-    their turn for a connection, a millisecond each: a process must not take the database's connections). The
-    first 16 it opens stay open (a drain asks from its 8 I/O and 16 call threads); only a burst beyond them opens
-    and closes connections, each a new server backend."""
+    their turn for a connection, a millisecond each: a process must not take the database's connections). Only 4
+    stay open: keeping 16 in every run worker, with its main pool's, held more connections than a 100-connection
+    server has once 5 matching or 8 evidence runs ran at once; a burst above 4 opens and closes backends."""
     # synchronous_commit off: a slot taken or given back is not worth a WAL flush each; a crash forgets at most
     # the last few ms of them, and leases and the rate window heal from that on their own
-    return sa.create_engine(url, isolation_level="AUTOCOMMIT", pool_pre_ping=False, pool_size=16, max_overflow=16,
+    return sa.create_engine(url, isolation_level="AUTOCOMMIT", pool_pre_ping=False, pool_size=4, max_overflow=28,
                             connect_args={"options": "-c synchronous_commit=off"})
 
 

@@ -13,6 +13,7 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from redrive.upstreams import guarded
+from resources.http import client_pools
 
 if TYPE_CHECKING:  # the resource carries the pipeline's knobs as plain fields; it never imports the pipeline
     from assets.conversion.settings import ConversionSettings
@@ -35,16 +36,10 @@ def endpoint(base_url: str, name: str) -> httpx.URL:
     return base.copy_with(path=base.path.rstrip("/") + "/" + name.lstrip("/"))
 
 
-def pool_limits(in_flight: int) -> httpx.Limits:
-    """Connections for ``in_flight`` concurrent calls and a probe, never fewer than httpx's defaults."""
-    keep = max(20, in_flight + 1)
-    return httpx.Limits(max_connections=max(100, keep), max_keepalive_connections=keep)
-
-
 class HttpGateway:
-    """One pooled HTTP client per worker; every call bounded by GATEWAY_TIMEOUT_MS.
+    """Pooled HTTP clients per worker (`client_pools`); every call bounded by GATEWAY_TIMEOUT_MS.
 
-    ``in_flight`` is how many calls the worker makes at once (WORKER_CONCURRENCY): the pool keeps that
+    ``in_flight`` is how many calls the worker makes at once (WORKER_CONCURRENCY): the pools keep that
     many connections alive, plus one for the health probe. httpx keeps 20 by default, so at 32 in flight
     12 connections were closed after every call and opened again for the next (issue 14).
     """
@@ -55,10 +50,10 @@ class HttpGateway:
         self._convert, self._health = endpoint(base_url, "convert"), endpoint(base_url, "health")
         self.timeout_seconds = timeout_seconds
         self._health_timeout = min(health_timeout_seconds, timeout_seconds)
-        self._http = httpx.Client(timeout=timeout_seconds, limits=pool_limits(in_flight))
+        self._http = client_pools(in_flight, timeout=timeout_seconds)
 
     def convert(self, pdf: bytes) -> bytes:
-        response = guarded("pdf_gateway", lambda: self._http.post(
+        response = guarded("pdf_gateway", lambda: self._http.next().post(
             self._convert, content=pdf, headers={"Content-Type": "application/pdf", "Accept": "application/xml"}))
         response.raise_for_status()
         return response.content
@@ -66,7 +61,7 @@ class HttpGateway:
     def healthy(self) -> bool:
         """003 §3.3's health probe: a 2xx from /health within a few seconds."""
         try:
-            response = self._http.get(self._health, timeout=self._health_timeout)
+            response = self._http.next().get(self._health, timeout=self._health_timeout)
         except httpx.HTTPError:
             return False
         return response.is_success

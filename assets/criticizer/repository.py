@@ -19,6 +19,7 @@ from cryptography.fernet import InvalidToken
 from sqlalchemy.dialects.postgresql import JSONB, insert
 
 from redrive import keys
+from redrive.db import compiled_once
 from redrive.schema import NOW, TZ, metadata
 
 SUBMITTED, PROCESSING, DONE = "submitted", "processing", "done"
@@ -204,12 +205,12 @@ def delivered(conn: sa.Connection, request_id: str, key: str) -> set[str]:
 
 def record_delivery(conn: sa.Connection, request_id: str, target: str, key: str, upstream_status: int | None,
                     at: datetime) -> None:
-    conn.execute(
-        insert(criticizer_deliveries)
-        .values(request_id=request_id, target=target, idempotency_key=key, upstream_status=upstream_status,
-                delivered_at=at)
-        .on_conflict_do_nothing()
-    )
+    conn.execute(_RECORD_DELIVERY, {"request_id": request_id, "target": target, "idempotency_key": key,
+                                    "upstream_status": upstream_status, "delivered_at": at})
+
+
+_RECORD_DELIVERY = compiled_once(insert(criticizer_deliveries).on_conflict_do_nothing(),
+                                 "request_id", "target", "idempotency_key", "upstream_status", "delivered_at")
 
 
 def deliveries(conn: sa.Connection, request_id: str) -> list[dict[str, Any]]:

@@ -32,6 +32,7 @@ from assets.evidence.policy import (
     VALID,
 )
 from redrive import deadletters
+from redrive.db import compiled_once
 from redrive.deadletters import FinalFailure
 from redrive.failures import Failure
 from redrive import work
@@ -392,11 +393,13 @@ def _event_values(event: contracts.Contract, *, row: UUID | None, case: UUID | N
 def add_event(conn: sa.Connection, event: contracts.Contract, *, row: UUID | None, case: UUID | None,
               now: datetime) -> bool:
     """Insert an outbox event; False when its (deterministic) id was already written."""
-    done = conn.execute(
-        insert(evidence_outbox).values(**_event_values(event, row=row, case=case, now=now))
-        .on_conflict_do_nothing(index_elements=["event_id"]).returning(evidence_outbox.c.event_id)
-    ).first()
-    return done is not None
+    return conn.execute(_ADD_EVENT, _event_values(event, row=row, case=case, now=now)).first() is not None
+
+
+_ADD_EVENT = compiled_once(insert(evidence_outbox).on_conflict_do_nothing(index_elements=["event_id"])
+                           .returning(evidence_outbox.c.event_id),
+                           "event_id", "event_type", "topic", "file_job_id", "file_job_row_id", "case_id", "payload",
+                           "created_at", "updated_at")
 
 
 def get_event(conn: sa.Connection, event_id: UUID) -> OutboxEvent | None:

@@ -45,6 +45,7 @@ from redrive.sanitize import sanitize_exception
 from redrive.upstream_policy import RetryDeferred
 from redrive.settle import Budget, Settled, Verdict, Write, settle
 from redrive.vocabularies import MATCHING
+from resources.http import Pools, client_pools
 from resources.llm import LlmResource
 from resources.matching import MatchingQueue, ReceivedMessage
 
@@ -160,7 +161,7 @@ class Worker:
     before_write: Callable[[str], None] = lambda document_id: None  # test seam, outside the transaction
     run_id: str | None = None
     log: Any = _log
-    http: httpx.Client | None = None
+    http: Pools[httpx.Client] | None = None  # the drain's own, one connection per document in flight
     _writes: GroupCommit[_Write, WriteResult] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -186,8 +187,7 @@ class Worker:
         running: list[Future[Outcome]] = []
         own_http = self.http is None
         if own_http:
-            self.http = httpx.Client(timeout=self.llm.timeout_seconds,
-                                     limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))
+            self.http = client_pools(limit, timeout=self.llm.timeout_seconds)
 
         def task(deliver: Callable[[], Outcome]) -> Outcome:
             try:
@@ -393,7 +393,7 @@ class Worker:
 
         def ask() -> MatchDecision:
             calls[0] += 1
-            return self.llm.chat_json(messages, schema, client=self.http)
+            return self.llm.chat_json(messages, schema, client=self.http.next() if self.http else None)
 
         def heartbeat() -> None:
             if message is not None:  # keep the message hidden while we wait

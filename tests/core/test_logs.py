@@ -129,6 +129,19 @@ def test_chatty_third_party_info_lines_are_quiet(root) -> None:
     assert [line["message"] for line in lines(buf)] == ["credentials expire soon"]
 
 
+def test_an_http_call_writes_no_line_of_its_own(root) -> None:
+    """httpx's "HTTP Request: POST … 200 OK" at INFO came four times an entity through the redacting formatter
+    (12 % of a criticizer run worker's time); the outcome is the pipeline's own line, and a failure its own."""
+    import httpx
+
+    buf = io.StringIO()
+    logs.configure("json", stream=buf)
+    with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200))) as client:
+        client.post("https://llm.example/v1/chat/completions?key=k")
+    logging.getLogger("redrive.drain").info("e-1 done")
+    assert [line["message"] for line in lines(buf)] == ["e-1 done"]
+
+
 def test_a_services_one_off_line_is_json_when_json_is_asked_for(monkeypatch) -> None:
     """`redrive metrics serve` and `console serve` say where they listen: a JSON record, or the text as it is."""
     monkeypatch.setenv(logs.FORMAT_ENV, "json")

@@ -189,3 +189,25 @@ def test_concurrent_retries_with_one_key_attach_once(sandbox: SandboxClient) -> 
 
     assert sorted(statuses) == [200] * 19 + [201]
     assert sandbox.count("case.attach") == 1
+
+
+def test_the_effect_log_is_kept_out_of_the_collectors_walk_until_it_is_cleared() -> None:
+    """A full collection walked every entry: 40,000 into a run it paused the sandbox for 181 ms, and requests
+    that waited were counted in one rate window and refused. Thousands of entries later, the collector tracks
+    only a few of them; cleared, the log gives back what it froze."""
+    import gc
+
+    from devstack.sandbox.effects import EffectLog
+
+    log = EffectLog()
+    gc.collect()
+    before = len(gc.get_objects())
+    try:
+        for i in range(2 * EffectLog.FREEZE_EVERY):
+            log.record("llm.call", model="m", messages_sha256=f"{i:064x}", usage={"tokens": [i, i + 1]})
+        tracked = len(gc.get_objects()) - before
+        assert log.count("llm.call") == 2 * EffectLog.FREEZE_EVERY
+        assert gc.get_freeze_count() > 0 and tracked < EffectLog.FREEZE_EVERY, tracked  # each entry tracks ≥ 2
+    finally:
+        log.clear()
+    assert gc.get_freeze_count() == 0 and log.count() == 0
