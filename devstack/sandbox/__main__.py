@@ -20,6 +20,7 @@ from pathlib import Path
 import uvicorn
 
 from devstack.sandbox.app import create_app
+from devstack.sandbox.client import SERVER_KEEP_ALIVE_SECONDS
 
 # Held-open `timeout` steps must not stall a shutdown for their full length;
 # nothing else in the sandbox is worth waiting for.
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.log_level,
         access_log=args.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        timeout_keep_alive=int(SERVER_KEEP_ALIVE_SECONDS),  # its admin client forgets idle connections before this
     )
     logging.getLogger("uvicorn.error").addFilter(_QuietShutdownCancel())
     server = AnnouncingServer(config, url=url_of(sock), ready_file=args.ready_file)

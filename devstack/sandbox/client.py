@@ -13,6 +13,13 @@ from pydantic import BaseModel
 StepSpec = Mapping[str, Any] | BaseModel
 
 
+# The sandbox (uvicorn) closes a connection idle for 5 s. A client that keeps one as long may send its next request
+# just as the server closes it ("Server disconnected without sending a response"; a 4-process test saw it once):
+# forget idle connections well before the server does.
+SERVER_KEEP_ALIVE_SECONDS = 5.0
+KEEPALIVE_EXPIRY_SECONDS = SERVER_KEEP_ALIVE_SECONDS / 5
+
+
 class SandboxAdminError(RuntimeError):
     """The sandbox refused an admin call; the message carries its explanation."""
 
@@ -22,7 +29,8 @@ class SandboxClient:
 
     def __init__(self, base_url: str, timeout: float = 10) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout,
+                                  limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS))
 
     def url(self, path: str) -> str:
         """Absolute URL of a sandbox path, for pointing a resource at it."""
