@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -527,6 +528,17 @@ def run_front_door(name: str, settings: Any, n: int, session: str, pg_pids: list
     return Outcome(n, seconds, cpu, runs, left + max(0, n - total), n + duplicates, n, machine, busy)
 
 
+def submit_at_the_front_door(name: str, engine: sa.Engine, sandbox: SandboxClient, session: str, defs: Any,
+                             n: int) -> None:
+    """`n` entities in as `run_front_door` submits them (the chaos run's loads), for a loop with no topology."""
+    import random
+
+    from bench import chaos
+
+    ctx = chaos.Context(engine, sandbox, session, chaos.Canaries.from_seed(26), defs, random.Random(26))
+    chaos.LOADS[name].submit(ctx, n, chaos.Ledger(name))
+
+
 def deployed_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = DEPLOYED_ENTITIES) -> list[dict[str, Any]]:
     """Each drained pipeline through `make serve`'s topology (daemon, gRPC code server, run queue, run workers)
     against the issue's providers, with the limiter set for them: its entities/s at the route that binds it (middle
@@ -682,7 +694,26 @@ def _bare_evidence(runtime: Any, resources: Any, session: str, n: int) -> None:
             sender.send_pending(job_id)
 
 
-BARE = {"criticizer": _bare_criticizer, "review_notifications": _bare_review, "evidence": _bare_evidence}
+def _bare_matching(runtime: Any, resources: Any, session: str, n: int) -> None:
+    """Each batch as it is received, through 000's flow (`Worker.admit`, the pipeline's own: the batch marked and
+    its candidates retrieved in one statement each), then each delivery (its LLM call, its write phase, its delete)
+    one after another: no drain loop, no threads, no run, no Dagster. Its write phases commit one at a time, where
+    the worker's group commit takes those that finish together in one transaction; so this loop is no floor, and
+    its cost grows with a tenant's documents (70 ms an entity at 1,000, 161 ms at 4,000; the deployed 89 and 83)."""
+    import dagster as dg
+
+    from assets.matching.pipeline import build_worker
+
+    work = build_worker(dg.build_op_context(), resources["reliability"], resources["matching"], resources["llm"])
+    work.log = logging.getLogger("assets.matching.worker")  # the process log: an op context would print every line
+    queue, size = work.queue, resources["matching"].batch_size
+    while messages := queue.receive(size, 0):
+        for deliver in work.admit(messages):
+            deliver()
+
+
+BARE = {"criticizer": _bare_criticizer, "review_notifications": _bare_review, "evidence": _bare_evidence,
+        "matching": _bare_matching}
 
 
 def cpu_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, sizes: tuple[int, ...] = CPU_SIZES,
@@ -697,13 +728,22 @@ def cpu_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, sizes: tuple[int, 
     from redrive.settings import Settings
 
     def instant(sandbox: SandboxClient) -> None:
-        sandbox.set_default("llm", content=json.dumps(CRITIQUE))
+        from bench.chaos import MATCH_FIRST, MATCHING_PROMPT
 
-    print(f"\nCPU an entity on an instant upstream: make serve's topology against a bare loop, "
+        sandbox.set_default("llm", content=json.dumps(CRITIQUE))
+        sandbox.set_default("llm", content=MATCH_FIRST, when=MATCHING_PROMPT)  # matching's own answer
+
+    # the drain runs and entities in flight `--part deployed` publishes (no provider limits: nothing limits an
+    # instant upstream); a second run halves what the daemon and the code server spend a second per entity
+    drain = {"REDRIVE_DRAIN_IN_FLIGHT": json.dumps(DEPLOYED_IN_FLIGHT), "REDRIVE_DRAIN_RUNS": json.dumps(DEPLOYED_RUNS)}
+
+    # conversion's own loop is its worker: `python -m bench conversion` sets it against pgqueuer, procrastinate and a
+    # pgbench ceiling doing the same claims and writes
+    pipelines = tuple(p for p in pipelines if p in BARE)
+    print(f"\nCPU an entity on an instant upstream: make serve's topology against a bare loop ({', '.join(pipelines)}), "
           f"{' and '.join(map(str, sizes))} entities, {rounds} rounds each")
     rows = []
     for name in pipelines:
-        load = LOADS[name]
         medians: dict[str, dict[int, float]] = {"deployed": {}, "bare": {}}  # CPU seconds, by size
         for n in sizes:
             taken: dict[str, list[float]] = {"deployed": [], "bare": []}
@@ -715,8 +755,10 @@ def cpu_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, sizes: tuple[int, 
                         defs = build_definitions(settings)
                         _DEFS.append(defs)
                         if how == "deployed":
-                            outcome = run_deployed(load, settings, n, session, postgres_pids(url), timeout=3600,
-                                                   upstreams=instant)
+                            outcome = run_front_door(name, settings, n, session, postgres_pids(url), timeout=3600,
+                                                     upstreams=instant, env={}) if name in FRONT_DOORS else \
+                                run_deployed(LOADS[name], settings, n, session, postgres_pids(url), timeout=3600,
+                                             upstreams=instant, env=drain)
                             cpu, wall, left = outcome.machine_cpu_seconds or 0.0, outcome.seconds, outcome.open_left
                         else:
                             sandbox = SandboxClient(os.environ["SANDBOX_URL"], timeout=30)
@@ -725,8 +767,10 @@ def cpu_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, sizes: tuple[int, 
                             runtime = defs.resources["reliability"].runtime()
                             engine = engine_for(url)
                             cpu, started = machine_cpu(), time.perf_counter()
-                            if name != "evidence":  # evidence's file jobs are ingested by its loop
-                                load.submit(engine, sandbox, session, n)
+                            if name in FRONT_DOORS:  # in through the front door as `run_front_door` submits
+                                submit_at_the_front_door(name, engine, sandbox, session, defs, n)
+                            elif name != "evidence":  # evidence's file jobs are ingested by its loop
+                                LOADS[name].submit(engine, sandbox, session, n)
                             BARE[name](runtime, defs.resources, session, n)
                             wall, cpu, left = time.perf_counter() - started, machine_cpu() - cpu, 0
                     taken[how].append(cpu)

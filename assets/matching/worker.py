@@ -328,8 +328,9 @@ class Worker:
             edges = self.match(doc, message, calls, ready, started=started)
         except Exception as exc:  # noqa: BLE001 - every failure is classified and decided on
             return self._after_failure(message, doc, classify(exc), exc, calls[0], time.perf_counter() - started)
-        self.log.info(f"matching: {doc['id']} matched ({edges} edges)",
-                      extra=self._fields(doc, message.receive_count))
+        # the process's log, as the drain's "done" line: in the run's own log (Dagster's event log) a line per
+        # document was a row and a new PostgreSQL connection each, and 10,000 lines hid its failures
+        _log.info(f"matching: {doc['id']} matched ({edges} edges)", extra=self._fields(doc, message.receive_count))
         if doc["matching_error"] is not None:  # it failed before: close its (replayed) dead letter, if any
             self.runtime.succeeded(PIPELINE, doc["id"])
         deleted = self._sqs(lambda: self.queue.delete(message.receipt_handle), f"delete after success of {doc['id']}")
