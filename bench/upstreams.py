@@ -528,6 +528,15 @@ def run_front_door(name: str, settings: Any, n: int, session: str, pg_pids: list
     return Outcome(n, seconds, cpu, runs, left + max(0, n - total), n + duplicates, n, machine, busy)
 
 
+def llm_answers(sandbox: SandboxClient) -> None:
+    """The LLM route's answers: a critique for the criticizer, matching's own for its prompt."""
+    from bench.chaos import MATCH_FIRST, MATCHING_PROMPT
+    from bench.scale import CRITIQUE
+
+    sandbox.set_default("llm", content=json.dumps(CRITIQUE))
+    sandbox.set_default("llm", content=MATCH_FIRST, when=MATCHING_PROMPT)
+
+
 def submit_at_the_front_door(name: str, engine: sa.Engine, sandbox: SandboxClient, session: str, defs: Any,
                              n: int) -> None:
     """`n` entities in as `run_front_door` submits them (the chaos run's loads), for a loop with no topology."""
@@ -543,7 +552,7 @@ def deployed_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = DEPL
     """Each drained pipeline through `make serve`'s topology (daemon, gRPC code server, run queue, run workers)
     against the issue's providers, with the limiter set for them: its entities/s at the route that binds it (middle
     60 %) against what that route allows, every route's peaks and refusals, lost work and duplicate effects."""
-    from bench.scale import _DEFS, CRITIQUE, LOADS, run_deployed
+    from bench.scale import _DEFS, LOADS, run_deployed
     from bench._workload import migrated_database, postgres_pids
     from orchestration.definitions import build_definitions
     from redrive.settings import Settings
@@ -553,10 +562,7 @@ def deployed_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, n: int = DEPL
            "REDRIVE_DRAIN_IN_FLIGHT": json.dumps(DEPLOYED_IN_FLIGHT), "REDRIVE_DRAIN_RUNS": json.dumps(DEPLOYED_RUNS)}
 
     def providers(sandbox: SandboxClient) -> None:
-        from bench.chaos import MATCH_FIRST, MATCHING_PROMPT
-
-        sandbox.set_default("llm", content=json.dumps(CRITIQUE))
-        sandbox.set_default("llm", content=MATCH_FIRST, when=MATCHING_PROMPT)  # matching's own answer
+        llm_answers(sandbox)
         for route, profile in PROVIDERS.items():
             latency = {"latency": profile["latency"]} if "latency" in profile else \
                 {"p50": profile["p50"], "p99": profile["p99"]}
@@ -722,19 +728,15 @@ def cpu_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, sizes: tuple[int, 
     through `make serve`'s topology, against a bare loop in this process doing the same upstream calls and the
     pipeline's own writes with no drain, no Dagster, no work queue. Rotated rounds; medians and their ratio, at
     each size; across sizes, what each more entity costs apart from what a run costs whatever its size."""
-    from bench.scale import _DEFS, CRITIQUE, LOADS, run_deployed
+    from bench.scale import _DEFS, LOADS, run_deployed
     from bench._workload import migrated_database, postgres_pids
     from orchestration.definitions import build_definitions
     from redrive.settings import Settings
 
-    def instant(sandbox: SandboxClient) -> None:
-        from bench.chaos import MATCH_FIRST, MATCHING_PROMPT
+    instant = llm_answers
 
-        sandbox.set_default("llm", content=json.dumps(CRITIQUE))
-        sandbox.set_default("llm", content=MATCH_FIRST, when=MATCHING_PROMPT)  # matching's own answer
-
-    # the drain runs and entities in flight `--part deployed` publishes (no provider limits: nothing limits an
-    # instant upstream); a second run halves what the daemon and the code server spend a second per entity
+    # the drain runs and entities in flight `--part deployed` publishes, so this measures the deployment it does (no
+    # provider limits: nothing limits an instant upstream)
     drain = {"REDRIVE_DRAIN_IN_FLIGHT": json.dumps(DEPLOYED_IN_FLIGHT), "REDRIVE_DRAIN_RUNS": json.dumps(DEPLOYED_RUNS)}
 
     # conversion's own loop is its worker: `python -m bench conversion` sets it against pgqueuer, procrastinate and a
