@@ -103,6 +103,8 @@ class Attempt:
     on_failure: list[Callable[[sa.Connection, Failure, bool], None]] = field(default_factory=list)
     report: DrainReport | None = None
     report_lock: threading.Lock | None = None
+    # writes waiting for the entity's next transaction (`write_later`): its next stage's, or its settlement's
+    riders: list[Callable[[sa.Connection], None]] = field(default_factory=list)
     _checkpoints: dict[str, dict[str, Any]] | None = field(default=None, repr=False)  # read once an attempt
 
     @property
@@ -120,12 +122,15 @@ class Attempt:
         return self.item.lease_epoch <= 1
 
     def stage(self, name: str, work_fn: Callable[[], Mapping[str, Any]], *, checkpoint: bool = True,
-              observe: bool = True) -> dict[str, Any]:
+              observe: bool = True, durable: bool = True) -> dict[str, Any]:
         """The stage's checkpoint if it has one; else run it once and checkpoint its output.
 
         ``observe=False``: the attempt's outcome is not known when the work returns (evidence's row may
         have failed artifacts to retry); it is counted when the entity settles — ok, or a retry of
-        ``retry_error_class`` when the handler sets one."""
+        ``retry_error_class`` when the handler sets one.
+        ``durable=False``: the checkpoint and the observation ride the entity's next write (`write_later`) instead
+        of a transaction of their own: for a stage a crash may make us redo at little cost and no harm (an
+        idempotent read), or the last stage, whose settlement follows at once."""
         if checkpoint and (done := self.drain._patiently(lambda: self._checkpoint(name))) is not None:
             return done
         self.current_stage = name
@@ -134,11 +139,11 @@ class Attempt:
             output = dict(work_fn())
         except Exception as exc:  # noqa: BLE001 - settled by the drain under the stage's policy
             raise StageError(name, exc, time.perf_counter() - started) from None
-        self._finished(name, output, time.perf_counter() - started, checkpoint, observe)
+        self._finished(name, output, time.perf_counter() - started, checkpoint, observe, durable)
         return output
 
     async def astage(self, name: str, work_fn: Callable[[], Awaitable[Mapping[str, Any]]], *,
-                     checkpoint: bool = True, observe: bool = True) -> dict[str, Any]:
+                     checkpoint: bool = True, observe: bool = True, durable: bool = True) -> dict[str, Any]:
         """`stage` for a coroutine handler: the work is awaited on the run's loop (an upstream call holds no
         thread); the checkpoint's read and write run on the run's I/O threads."""
         drain = self.drain
@@ -154,8 +159,33 @@ class Attempt:
         except Exception as exc:  # noqa: BLE001 - settled by the drain under the stage's policy
             raise StageError(name, exc, time.perf_counter() - started) from None
         seconds = time.perf_counter() - started
-        await self.blocking(lambda: self._finished(name, output, seconds, checkpoint, observe))
+        if durable:
+            await self.blocking(lambda: self._finished(name, output, seconds, checkpoint, observe, durable))
+        else:  # nothing to write now: no thread
+            self._finished(name, output, seconds, checkpoint, observe, durable)
         return output
+
+    def write_later(self, write: Callable[[sa.Connection], None]) -> None:
+        """`write(conn)` in the entity's next transaction (its next durable stage's, `write_now`'s, or its
+        settlement's, whatever the outcome) rather than one of its own. A crash before then loses it: only for a
+        record whose loss costs a harmless redo (a read done again, a post whose receiver keeps one effect per
+        Idempotency-Key). A settlement refused by its fence (another run holds the entity) writes none of it."""
+        self.riders.append(write)
+
+    def write_now(self, write: Callable[[sa.Connection], None]) -> None:
+        """`write(conn)` in a transaction of its own, with whatever waits for the entity's next write."""
+        def both() -> None:
+            with self.drain.engine.begin() as conn:
+                self._ride(conn)
+                write(conn)
+            self.riders.clear()
+
+        self.drain._patiently(both)
+
+    def _ride(self, conn: sa.Connection) -> None:
+        """The writes waiting for this transaction (`write_later`); the caller clears them once it commits."""
+        for write in self.riders:
+            write(conn)
 
     async def blocking(self, fn: Callable[[], T]) -> T:
         """`fn()` (a database write) on the run's I/O threads, off the loop."""
@@ -180,21 +210,24 @@ class Attempt:
                     self._checkpoints = checkpoints.load_all(conn, self.drain.pipeline, self.entity_ref)
         return self._checkpoints.get(name)
 
-    def _finished(self, name: str, output: dict[str, Any], seconds: float, checkpoint: bool, observe: bool) -> None:
-        """Count the stage's attempt and write its checkpoint and observation."""
+    def _finished(self, name: str, output: dict[str, Any], seconds: float, checkpoint: bool, observe: bool,
+                  durable: bool = True) -> None:
+        """Count the stage's attempt and write its checkpoint and observation (now, or with the next write)."""
         drain = self.drain
         self.attempts[name] = self.attempts.get(name, 0) + 1
         if not observe:
             self.unobserved = (name, seconds)
         if checkpoint or observe:
-            def save() -> None:
-                with drain.engine.begin() as conn:
-                    if checkpoint:
-                        checkpoints.save(conn, drain.pipeline, self.entity_ref, name, output)
-                    if observe:
-                        observations.observe(conn, drain.pipeline, name, observations.OK, seconds=seconds)
+            def save(conn: sa.Connection) -> None:
+                if checkpoint:
+                    checkpoints.save(conn, drain.pipeline, self.entity_ref, name, output)
+                if observe:
+                    observations.observe(conn, drain.pipeline, name, observations.OK, seconds=seconds)
 
-            drain._patiently(save)  # the stage succeeded: an outage now must not turn it into a failed attempt
+            if durable:
+                self.write_now(save)  # the stage succeeded: an outage now must not turn it into a failed attempt
+            else:
+                self.write_later(save)
 
     def observe_settled(self, conn: sa.Connection) -> None:
         """Count the attempt of an ``observe=False`` stage as it settles: a retry of its class, or ok."""
@@ -519,6 +552,7 @@ class Drain:
     def _settle_success(self, attempt: Attempt) -> str:
         now = self.reliability.now()
         with self.engine.begin() as conn:
+            attempt._ride(conn)
             for write in attempt.on_success:
                 write(conn)
             attempt.observe_settled(conn)
@@ -549,6 +583,7 @@ class Drain:
             if not work.reschedule(conn, item, due_at=due_at, stage=stage, attempts=attempt.stage_attempts(),
                                    error=f"{stage} of {item.entity_ref}: {deferred}", now=now):
                 raise LeaseLost(item.entity_ref)
+            attempt._ride(conn)
         return "deferred"
 
     def _defer_ours(self, attempt: Attempt, stage: str, failure: Failure) -> str:
@@ -564,6 +599,7 @@ class Drain:
                                    OURS: lost}, error=f"{stage} of {item.entity_ref}: {failure.code} (our database; "
                                    f"not counted as an attempt, {lost}/{OURS_MAX})", now=now):
                 raise LeaseLost(item.entity_ref)
+            attempt._ride(conn)
             for write in attempt.on_failure:
                 write(conn, failure, False)
             observations.observe(conn, self.pipeline, stage, observations.RETRY, error_class=failure.code)
@@ -579,6 +615,7 @@ class Drain:
             if not work.reschedule(conn, item, due_at=verdict.due_at, stage=stage,  # type: ignore[arg-type]
                                    attempts=stage_attempts, error=verdict.public, now=verdict.now):
                 raise LeaseLost(item.entity_ref)
+            attempt._ride(conn)
             for write in attempt.on_failure:
                 write(conn, verdict.failure, False)
             observations.observe(conn, self.pipeline, stage, observations.RETRY, error_class=verdict.failure.code,
@@ -590,6 +627,7 @@ class Drain:
             if not work.bury(conn, item, stage=stage, attempts=stage_attempts, error=verdict.public,
                              now=verdict.now):
                 raise LeaseLost(item.entity_ref)
+            attempt._ride(conn)
             for write in attempt.on_failure:
                 write(conn, verdict.failure, True)
             return True

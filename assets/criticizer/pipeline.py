@@ -20,6 +20,7 @@ writes the same row.
 
 # No `from __future__ import annotations`: Dagster reads config and resource types from live annotations.
 
+from collections.abc import Callable
 from typing import Any
 
 import dagster as dg
@@ -68,7 +69,8 @@ def handler(runtime: Reliability, criticizer_http: CriticizerHttpResource, llm: 
         async def fetch() -> dict[str, Any]:
             return policy.fetched(await attempt.call(lambda: criticizer_http.fetch_artifact(request.artifact_url)))
 
-        fetched = await attempt.astage("fetch", fetch)
+        # a crash before the LLM's checkpoint only fetches the artifact again: its checkpoint rides that write
+        fetched = await attempt.astage("fetch", fetch, durable=False)
         messages = policy.critique_messages(request.rubric, request.artifact_url, fetched["text"])
 
         async def critique_it() -> dict[str, Any]:
@@ -78,9 +80,9 @@ def handler(runtime: Reliability, criticizer_http: CriticizerHttpResource, llm: 
         critique, sha = critiqued["critique"], critiqued["critique_sha256"]
         key = policy.idempotency_key(request.request_id, sha)
 
-        def record(channel: str, status: int | None) -> None:
-            with runtime.engine.begin() as conn:
-                repository.record_delivery(conn, request.request_id, channel, key, status, runtime.now())
+        def record(channel: str, status: int | None) -> Callable[[sa.Connection], None]:
+            at = runtime.now()
+            return lambda conn: repository.record_delivery(conn, request.request_id, channel, key, status, at)
 
         async def deliver() -> dict[str, Any]:
             done = set() if attempt.first_lease else \
@@ -91,14 +93,17 @@ def handler(runtime: Reliability, criticizer_http: CriticizerHttpResource, llm: 
                     policy.webhook_payload(request.request_id, request.artifact_url, critique, sha),
                     {**request.delivery_headers(), "Idempotency-Key": key},
                 ))
-                await attempt.blocking(lambda: record(repository.WEBHOOK, status))
+                # with the next write (Slack's record, or the settlement whatever its outcome): a crash before it
+                # posts again with the same Idempotency-Key, which the receiver keeps as one delivery (§8.1)
+                attempt.write_later(record(repository.WEBHOOK, status))
             if slack is not None and repository.SLACK not in done:
                 subject, text = policy.slack_message(request.request_id, critique)
                 await attempt.call(lambda: slack.send(subject, text, key))
-                await attempt.blocking(lambda: record(repository.SLACK, None))
+                await attempt.blocking(lambda: attempt.write_now(record(repository.SLACK, None)))  # Slack keeps no key
             return {"idempotency_key": key, "slack": slack is not None}
 
-        await attempt.astage("notify", deliver)
+        # the last stage: its checkpoint and observation ride the settlement that follows
+        await attempt.astage("notify", deliver, durable=False)
 
         def complete(conn: sa.Connection) -> None:
             repository.record_stage_attempts(conn, request.request_id, attempt.stage_attempts())

@@ -405,3 +405,97 @@ def test_the_wait_after_our_database_lost_an_attempt_grows_and_is_capped() -> No
 
     assert [ours_wait(n, 0.5) for n in (1, 2, 3, 6, 7, 20)] == [2.0, 4.0, 8.0, 60.0, 60.0, 60.0]
     assert ours_wait(3, 0.0) == 4.0 and ours_wait(3, 0.999) < 12.0
+
+
+def saved(engine: sa.Engine, stage: str) -> dict | None:
+    with engine.connect() as conn:
+        return checkpoints.load(conn, "demo", "e-0", stage)
+
+
+@pytest.mark.parametrize("kind", ["thread", "coroutine"])
+def test_a_stage_that_is_not_durable_rides_the_entitys_next_write_whatever_its_outcome(engine, kind: str) -> None:
+    """`durable=False` writes nothing of its own: fetch's checkpoint is absent while send runs, and is written by
+    the transaction that settles send's failure, so the retry resumes at send; there send (not durable either)
+    and a `write_later` record are written by the settlement that completes the entity."""
+    clock = FrozenClock(START)
+    enqueue(engine, 1, clock)
+    ran: list[str] = []
+    seen: dict[str, object] = {}
+
+    def fetch() -> dict:
+        ran.append("fetch")
+        return {"body": "b"}
+
+    def send() -> dict:
+        ran.append("send")
+        seen.setdefault("fetch checkpoint while send ran", saved(engine, "fetch"))
+        if ran.count("send") == 1:
+            raise httpx.HTTPStatusError("503", request=httpx.Request("POST", "http://x"), response=httpx.Response(503))
+        return {"sent": True}
+
+    def note(attempt: Attempt) -> None:
+        attempt.write_later(lambda conn: checkpoints.save(conn, "demo", "e-0", "note", {"n": len(ran)}))
+
+    def handle(attempt: Attempt) -> None:
+        attempt.stage("fetch", fetch, durable=False)
+        attempt.stage("send", send, durable=False)
+        note(attempt)
+
+    async def ahandle(attempt: Attempt) -> None:
+        async def afetch() -> dict:
+            return fetch()
+
+        async def asend() -> dict:
+            return send()
+
+        await attempt.astage("fetch", afetch, durable=False)
+        await attempt.astage("send", asend, durable=False)
+        note(attempt)
+
+    chosen = handle if kind == "thread" else ahandle
+    assert drain(engine, clock).run(chosen).retried == 1
+    assert seen["fetch checkpoint while send ran"] is None
+    assert saved(engine, "fetch") == {"body": "b"} and saved(engine, "send") is None
+    clock.advance(30)
+    assert drain(engine, clock).run(chosen).done == 1
+    assert ran == ["fetch", "send", "send"]  # resumed at send: fetch's checkpoint was there
+    assert saved(engine, "send") == {"sent": True} and saved(engine, "note") == {"n": 3}
+    with engine.connect() as conn:
+        ok = dict(conn.execute(sa.text("SELECT stage, sum(count) FROM stage_observations WHERE pipeline = 'demo' "
+                                       "AND outcome = 'ok' GROUP BY stage")).all())
+    assert ok == {"fetch": 1, "send": 1}  # each success observed once, with its checkpoint
+
+
+def test_write_now_carries_what_waits_for_the_next_write(engine) -> None:
+    """A `write_later` record is in the next `write_now`'s transaction, not left for the settlement."""
+    clock = FrozenClock(START)
+    enqueue(engine, 1, clock)
+    seen: list[object] = []
+
+    def handle(attempt: Attempt) -> None:
+        attempt.write_later(lambda conn: checkpoints.save(conn, "demo", "e-0", "webhook", {"status": 200}))
+        seen.append(saved(engine, "webhook"))
+        attempt.write_now(lambda conn: checkpoints.save(conn, "demo", "e-0", "slack", {"ts": "1"}))
+        seen.append(saved(engine, "webhook"))
+        assert attempt.riders == []
+
+    assert drain(engine, clock).run(handle).done == 1
+    assert seen == [None, {"status": 200}] and saved(engine, "slack") == {"ts": "1"}
+
+
+def test_what_rides_a_settlement_refused_by_its_fence_is_not_written(engine) -> None:
+    """Our lease expired and another holder took the entity: the late settlement writes nothing, its riders
+    (a stage's checkpoint, a record) included; the new holder does that work again."""
+    clock = FrozenClock(START)
+    enqueue(engine, 1, clock)
+
+    def handle(attempt: Attempt) -> None:
+        attempt.stage("fetch", lambda: {"body": "b"}, durable=False)
+        attempt.write_later(lambda conn: checkpoints.save(conn, "demo", "e-0", "note", {}))
+        clock.advance(61)  # paused past the lease: another holder claims the entity
+        with engine.begin() as conn:
+            assert len(work.claim(conn, "demo", owner="other", limit=1, lease_seconds=60, now=clock.now())) == 1
+
+    report = drain(engine, clock).run(handle)
+    assert report.lease_lost == 1 and report.done == 0
+    assert saved(engine, "fetch") is None and saved(engine, "note") is None
