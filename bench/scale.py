@@ -111,9 +111,11 @@ EVIDENCE_ROWS_PER_JOB = 200
 
 
 def _evidence_zips(session: str, n: int) -> list[tuple[str, bytes]]:
+    """n rows in file jobs of 200, or in `BENCH_EVIDENCE_FILE_JOBS` file jobs whatever n (`bench upstreams --part
+    cpu` holds their number across sizes, so a file job's run cost and a row's cost come apart)."""
     from tests.evidence.helpers import standard_job  # the test suite's ZIP maker: manifest + one PDF per row
 
-    jobs = max(1, n // EVIDENCE_ROWS_PER_JOB)
+    jobs = max(1, int(os.environ.get("BENCH_EVIDENCE_FILE_JOBS") or n // EVIDENCE_ROWS_PER_JOB))
     return [(f"scale-{session}-{j}.zip", standard_job(f"scale-{session}-{j}", n // jobs, 1)[0]) for j in range(jobs)]
 
 

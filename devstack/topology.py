@@ -43,6 +43,19 @@ LOCATION = "redrive"
 INSTANCE_YAML = PROJECT_ROOT / "dagster.yaml.example"
 
 
+CODE_PACKAGES = ("assets", "orchestration", "redrive", "resources", "sensors")
+
+
+def compile_code_location() -> None:
+    """Write the code location's bytecode before any process loads it. The code server starts each run's process
+    with its own interpreter flags (`multiprocessing`'s spawn), so where PYTHONDONTWRITEBYTECODE is set (as in
+    many container images) no process ever writes it, and every run would compile every module from source."""
+    import compileall
+
+    for package in CODE_PACKAGES:
+        compileall.compile_dir(str(PROJECT_ROOT / package), quiet=1)
+
+
 @dataclass(frozen=True)
 class Service:
     """One process of a deployment: its command as deployed (`{placeholders}` filled per host) and its role."""
@@ -186,6 +199,7 @@ class Topology:
         return out
 
     def start(self) -> None:
+        compile_code_location()
         self.home.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.values = {"host": self.host, "grpc_port": str(free_port()), "webserver_port": str(free_port()),

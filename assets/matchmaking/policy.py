@@ -29,11 +29,14 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
+from typing import TYPE_CHECKING
 from zoneinfo import ZoneInfo
 
 import numpy as np
-import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:  # imported where a frame is read (~0.25 s of CPU): every run worker loads this module
+    import pandas as pd
 
 PIPELINE = "matchmaking"
 ALGORITHM = "mm-score-1"
@@ -203,6 +206,8 @@ class Pool:
 
 
 def _int(df: pd.DataFrame, column: str) -> tuple[np.ndarray, np.ndarray]:
+    import pandas as pd
+
     values = pd.to_numeric(df[column], errors="coerce")
     missing = values.isna().to_numpy()
     return values.fillna(0).to_numpy(dtype=np.int64), missing
@@ -210,6 +215,8 @@ def _int(df: pd.DataFrame, column: str) -> tuple[np.ndarray, np.ndarray]:
 
 def profile_problems(df: pd.DataFrame) -> dict[int, str]:
     """Rows whose profile cannot be matched (ADR-0004 "data inconsistency") and why: field names, never values."""
+    import pandas as pd
+
     n = len(df)
     reasons: list[list[str]] = [[] for _ in range(n)]
 
@@ -250,6 +257,8 @@ def id_key64(user_id: str) -> int:
 
 def build_pool(df: pd.DataFrame) -> Pool:
     """Arrays and per-user features from the repository's frame, put in (region, id) order."""
+    import pandas as pd
+
     missing = [c for c in POOL_COLUMNS if c not in df.columns]
     if missing:
         raise ValueError(f"pool frame lacks columns {missing}")
