@@ -131,12 +131,17 @@ def deployment(settings: Settings, home: Path, *, only: tuple[str, ...] = ("code
                workers: int = 1, env: dict[str, str] | None = None) -> Iterator[Any]:
     """The processes of `make serve` (devstack.topology) on this database; sensors ticked every 5 s. Dagster's
     storage is a database of its own unless `env` names one (DAGSTER_PG_URL): no run of an earlier deployment
-    (a failed run the daemon retries, one left STARTED) is launched or counted in this one."""
+    (a failed run the daemon retries, one left STARTED) is launched or counted in this one. Its evidence inbox starts
+    empty: moto's S3 outlives a deployment, and a ZIP an earlier one left (a round before, another pipeline's) would
+    be new to this one's database, ingested again and counted in its figures."""
     import os
 
     from devstack.postgres import create_database, drop_database, with_database
     from devstack.topology import Topology
+    from orchestration.definitions import build_definitions
     from redrive.db import dagster_storage_url
+
+    clear_evidence_inbox(build_definitions(settings))
 
     full = {"DATABASE_URL": settings.database_url or "", "REDRIVE_TIME_SCALE": str(settings.redrive_time_scale),
             "CRITICIZER_SENSOR_INTERVAL_SECONDS": "5", "REVIEW_NOTIFICATIONS_SENSOR_INTERVAL_SECONDS": "5",

@@ -34,7 +34,7 @@ import psutil
 import sqlalchemy as sa
 
 from bench._support import machine_cpu
-from bench._workload import (RunWorkers, clear_evidence_inbox, cpu_of, deployment, drop_evidence_zips,
+from bench._workload import (RunWorkers, cpu_of, deployment, drop_evidence_zips,
                              migrated_database, open_count, postgres_pids, total_count, wait_drained)
 from devstack.sandbox import SandboxClient
 from redrive.db import engine_for
@@ -275,7 +275,6 @@ def main(n: int | None = None) -> int:
             from orchestration.definitions import build_definitions
 
             _DEFS.append(build_definitions(settings))
-            clear_evidence_inbox(_DEFS[-1])  # an earlier pipeline's ZIPs are no work of this one's
             pg_pids = postgres_pids(url)
             deployed = run_deployed(load, settings, n, f"{session}d", pg_pids, timeout)
             direct = run_direct(load, settings, n, f"{session}b", pg_pids)
