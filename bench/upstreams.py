@@ -68,6 +68,7 @@ import sqlalchemy as sa
 
 from bench._support import machine_cpu, scratch_database
 from devstack.sandbox import SandboxClient
+from devstack.stack import exported
 from redrive import upstreams as up
 from redrive import work
 from redrive.clock import SystemClock
@@ -750,7 +751,7 @@ def cpu_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, sizes: tuple[int, 
         # then sits with the deployment's start in the cost whatever the size, and a row's is the line's slope
         file_jobs = int(os.environ.get("BENCH_EVIDENCE_FILE_JOBS") or EVIDENCE_CPU_FILE_JOBS)
         held = {"BENCH_EVIDENCE_FILE_JOBS": str(file_jobs)} if name == "evidence" else {}
-        with _environ(held):
+        with exported(held):
             _measure_sizes(name, sizes, rounds, medians, drain, instant)
         (deployed, fixed), (bare, bare_fixed) = marginal_cost(medians["deployed"]), marginal_cost(medians["bare"])
         largest = max(sizes)
@@ -765,21 +766,6 @@ def cpu_part(pipelines: tuple[str, ...] = DEPLOYED_PIPELINES, sizes: tuple[int, 
               f"run costs {fixed:.1f} CPU-s whatever its size (the bare loop {bare_fixed:.1f}){runs}; the whole run "
               f"at {largest}: {whole:.2f}×", flush=True)
     return rows
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """This process's environment with `values` set, as it was after."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _measure_sizes(name: str, sizes: tuple[int, ...], rounds: int, medians: dict[str, dict[int, float]],

@@ -64,7 +64,8 @@ class Stack:
 
 
 @contextlib.contextmanager
-def _exported(env: dict[str, str]) -> Iterator[None]:
+def exported(env: dict[str, str]) -> Iterator[None]:
+    """This process's environment with `env` set, as it was after."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -124,7 +125,7 @@ def local_stack(purpose: str = "dev", *, migrate: bool = True) -> Iterator[Stack
             stack.env.setdefault("SLACK_WEBHOOK_URL", f"{sandbox.url}/slack/webhook/redrive-alerts")
             stack.env.setdefault("ALERT_EMAIL_TO", "oncall@example.com")
 
-        with _exported(stack.env):
+        with exported(stack.env):
             if migrate:
                 from redrive.db import upgrade_head
 
