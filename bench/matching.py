@@ -253,7 +253,7 @@ def throughput(url: str, settings: Settings) -> None:
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"throughput: {THROUGHPUT_DOCS} documents per round, {ROUNDS} interleaved rounds, medians "
           f"({matched} matched, {calls} LLM calls, batch size {config.batch_size}, {in_flight} in flight, "
-          f"{getattr(config, 'receivers', 1)} receivers)")
+          "one receive at a time)")
     print(f"  worker: {med['worker']:.1f} docs/s  (rounds: {', '.join(f'{v:.1f}' for v in rates['worker'])})")
     print(f"  baseline: raw sandbox LLM calls, same concurrency: {med['llm']:.1f} calls/s  "
           f"(rounds: {', '.join(f'{v:.1f}' for v in rates['llm'])})")

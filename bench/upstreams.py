@@ -447,11 +447,11 @@ PROVIDER_LIMITS = {
 DEPLOYED_IN_FLIGHT = json.loads(os.environ.get("BENCH_UPSTREAMS_DEPLOYED_IN_FLIGHT", '{"criticizer": 48}'))
 DEPLOYED_RUNS = json.loads(os.environ.get("BENCH_UPSTREAMS_DEPLOYED_RUNS", '{"criticizer": 2}'))
 # the front doors' own sizing, as docs/operating.md says: conversion 2 worker processes × 16 jobs in flight (the
-# gateway's 32 slots); matching one drain run with 70 documents in flight (the LLM's 64 slots), fed by 4 receivers of
+# gateway's 32 slots); matching one drain run with 70 documents in flight (the LLM's 64 slots), received in
 # batches of 10
 FRONT_DOOR_ENV = {
     "conversion": {"WORKER_CONCURRENCY": "16"},
-    "matching": {"MATCHING_BATCH_SIZE": "10", "MATCHING_RECEIVERS": "4", "MATCHING_IN_FLIGHT": "70",
+    "matching": {"MATCHING_BATCH_SIZE": "10", "MATCHING_IN_FLIGHT": "70",
                  "MATCHING_SENSOR_INTERVAL_SECONDS": "5"},
 }
 FRONT_DOOR_WORKERS = {"conversion": 2}
@@ -710,17 +710,28 @@ def _bare_matching(runtime: Any, resources: Any, session: str, n: int) -> None:
     its candidates retrieved in one statement each), then each delivery (its LLM call, its write phase, its delete)
     one after another: no drain loop, no threads, no run, no Dagster. Its write phases commit one at a time, where
     the worker's group commit takes those that finish together in one transaction; so this loop is no floor, and
-    its cost grows with a tenant's documents (70 ms an entity at 1,000, 161 ms at 4,000; the deployed 89 and 83)."""
+    its cost grows with a tenant's documents (70 ms an entity at 1,000, 161 ms at 4,000; the deployed 89 and 83).
+    The deliveries are the worker's coroutines, awaited one at a time on one loop (one loop's LLM clients)."""
+    import asyncio
+
     import dagster as dg
 
     from assets.matching.pipeline import build_worker
+    from redrive import aio
 
     work = build_worker(dg.build_op_context(), resources["reliability"], resources["matching"], resources["llm"])
     work.log = logging.getLogger("assets.matching.worker")  # the process log: an op context would print every line
     queue, size = work.queue, resources["matching"].batch_size
-    while messages := queue.receive(size, 0):
-        for deliver in work.admit(messages):
-            deliver()
+
+    async def one_after_another() -> None:
+        try:
+            while messages := queue.receive(size, 0):
+                for deliver in work.admit(messages):
+                    await deliver()
+        finally:
+            await aio.close_loop_locals()
+
+    asyncio.run(one_after_another())
 
 
 BARE = {"criticizer": _bare_criticizer, "review_notifications": _bare_review, "evidence": _bare_evidence,

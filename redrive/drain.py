@@ -13,32 +13,30 @@ Stages are checkpointed, so a retry or a replay resumes at the failed stage. A r
 for work falling due within `linger_seconds` and ends when none is left; the sensor starts
 the next round when more falls due. Nothing here imports Dagster: `redrive.drain_ops` adapts it.
 
-One engine for both kinds of handler (issue 26 §2). The run is an asyncio loop: an entity is a
-task, claims and settlements run on a few I/O threads. A coroutine handler (`async def`, its
-upstream calls through async clients) holds no OS thread while it waits on an upstream, so a run
-holds hundreds of entities in flight for the cost of their tasks; a plain handler still gets a
-thread of its own per entity in flight, as before.
+The run is the core's per-entity engine (`redrive.engine`, issue 26 §2) over this work queue
+(`_WorkQueue`): an entity is a task, claims and settlements run on a few I/O threads. A coroutine
+handler (`async def`, its upstream calls through async clients) holds no OS thread while it waits on
+an upstream, so a run holds hundreds of entities in flight for the cost of their tasks; a plain
+handler gets a thread of its own per entity in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextvars
 import functools
 import inspect
 import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
-from redrive import aio, checkpoints, deadletters, liveness, logs, observations, upstreams, work
+from redrive import checkpoints, deadletters, liveness, logs, observations, upstreams, work
+from redrive.engine import Engine
 from redrive.failures import Code, Failure, classify_exception
 from redrive.reliability import Reliability
 from redrive.sanitize import sanitize_exception, sanitize_text
@@ -277,6 +275,45 @@ class DrainReport:
 
 
 @dataclass
+class _WorkQueue:
+    """The core's work queue as the engine's source: leases on one pipeline's due rows (of one group, if set)."""
+
+    drain: Drain
+    group_key: str | None
+    report: DrainReport
+
+    def claim(self, limit: int, held: list[WorkItem]) -> list[WorkItem]:
+        drain = self.drain
+        if drain.max_items is not None:
+            limit = min(limit, drain.max_items - self.report.claimed)
+        claimed = drain._patiently(lambda: drain._claim(limit, self.group_key, held))
+        if claimed:
+            self.report.batches += 1
+            self.report.claimed += len(claimed)
+        return claimed
+
+    def keep(self, held: list[WorkItem]) -> None:
+        """Extend the leases of entities still being worked (every third of a lease)."""
+        drain = self.drain
+        now = drain.reliability.now()
+        with drain.engine.begin() as conn:
+            work.extend(conn, held, lease_seconds=drain.lease_seconds, now=now)
+        for item in held:
+            drain._lease_ends[item.id] = now + timedelta(seconds=drain.lease_seconds)
+
+    def next_due_in(self) -> float | None:
+        return self.drain._patiently(lambda: self.drain._until_next_due(self.group_key))
+
+    def stopped(self) -> bool:
+        # a run the watchdog declared dead claims nothing more (its claims are refused anyway)
+        drain = self.drain
+        return liveness.fenced(drain.run_id) or (drain.max_items is not None and self.report.claimed >= drain.max_items)
+
+    def released(self, item: WorkItem) -> None:
+        self.drain._lease_ends.pop(item.id, None)
+
+
+@dataclass
 class Drain:
     """How one pipeline drains: its stage policies and the run's bounds."""
 
@@ -298,8 +335,7 @@ class Drain:
     outage_patience_seconds: float = 300.0
     outage_sleep: Callable[[float], None] = time.sleep
     _lease_ends: dict[int, datetime] = field(default_factory=dict, init=False, repr=False)  # as last written
-    _io: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)  # the running run's I/O threads
-    _calls: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)  # and its call threads
+    _engine: Engine[WorkItem] | None = field(default=None, init=False, repr=False)  # the running run's
 
     @property
     def engine(self) -> sa.Engine:
@@ -313,99 +349,31 @@ class Drain:
 
     async def blocking(self, fn: Callable[[], T]) -> T:
         """`fn()` on the run's I/O threads (its context, e.g. the retry flag, goes with it)."""
-        return await asyncio.get_running_loop().run_in_executor(self._io, contextvars.copy_context().run, fn)
+        assert self._engine is not None, "only while the drain runs"
+        return await self._engine.blocking(fn)
 
     async def call(self, fn: Callable[[], T]) -> T:
         """`fn()` on the run's call threads (`Attempt.call`), its context with it."""
-        if self._calls is None:
-            self._calls = ThreadPoolExecutor(max_workers=self.call_threads, thread_name_prefix=f"drain-call-{self.pipeline}")
-        return await asyncio.get_running_loop().run_in_executor(self._calls, contextvars.copy_context().run, fn)
+        assert self._engine is not None, "only while the drain runs"
+        return await self._engine.call(fn)
 
     async def _run(self, handle: Handler, group_key: str | None) -> DrainReport:
+        """The core's engine over this pipeline's work queue: each claimed entity worked and settled here."""
         report, lock = DrainReport(), threading.Lock()
-        started = time.monotonic()
-        inflight: dict[asyncio.Future[None], WorkItem] = {}
         self._lease_ends.clear()
-        loop = asyncio.get_running_loop()
-        self._io = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix=f"drain-io-{self.pipeline}")
-        loop.set_default_executor(self._io)  # `asyncio.to_thread` of clients and the limiter: the same threads
-        coroutine = inspect.iscoroutinefunction(handle)
-        threads = None if coroutine else ThreadPoolExecutor(max_workers=self.concurrency,
-                                                            thread_name_prefix=f"drain-{self.pipeline}")
-        finished: collections.deque[asyncio.Future[None]] = collections.deque()
-        arrived = asyncio.Event()
-
-        def on_finished(task: asyncio.Future[None]) -> None:
-            finished.append(task)
-            arrived.set()
-
-        refill, claimed_at = max(1, min(self.concurrency // 2, 8)), 0.0
-        stop_heartbeat = threading.Event()
-        heartbeat = threading.Thread(target=self._heartbeat, args=(inflight, lock, stop_heartbeat), daemon=True)
-        heartbeat.start()
-        try:
-            while True:
-                # a run the watchdog declared dead claims nothing more (its claims are refused anyway)
-                out_of_time = time.monotonic() - started > self.max_seconds or liveness.fenced(self.run_id)
-                full = self.max_items is not None and report.claimed >= self.max_items
-                free = self.concurrency - len(inflight)
-                # refill once `refill` are free (a claim statement for several rows while entities finish fast), or
-                # any free slot when the last claim is 0.1 s old (a slow upstream's slots are not left idle)
-                if not out_of_time and not full and free > 0 and \
-                        (not inflight or free >= refill or time.monotonic() - claimed_at >= 0.1):
-                    limit = min(free, self.batch_size)
-                    if self.max_items is not None:
-                        limit = min(limit, self.max_items - report.claimed)
-                    with lock:
-                        held = list(inflight.values())
-                    claimed = await self.blocking(lambda: self._patiently(lambda: self._claim(limit, group_key, held)))
-                    claimed_at = time.monotonic()
-                    if claimed:
-                        report.batches += 1
-                        report.claimed += len(claimed)
-                    with lock:
-                        for item in claimed:
-                            if coroutine:
-                                task = asyncio.ensure_future(self._awork_one(handle, item, report, lock))  # type: ignore[arg-type]
-                            else:
-                                task = loop.run_in_executor(threads, self._work_one, handle, item, report, lock)
-                            task.add_done_callback(on_finished)
-                            inflight[task] = item
-                if inflight:
-                    if not finished:  # woken once per finished entity, not by a wait on every task in flight
-                        try:
-                            await asyncio.wait_for(arrived.wait(), timeout=1.0)
-                        except TimeoutError:
-                            continue
-                    arrived.clear()
-                    done = [finished.popleft() for _ in range(len(finished))]
-                    with lock:
-                        for task in done:
-                            self._lease_ends.pop(inflight.pop(task).id, None)
-                            task.result()  # _work_one settles everything; a raise here is a bug in it
-                    continue
-                if out_of_time or full:
-                    break
-                wait_for = await self.blocking(lambda: self._patiently(lambda: self._until_next_due(group_key)))
-                if wait_for is None or wait_for > self.linger_seconds or \
-                        time.monotonic() - started + wait_for > self.max_seconds:
-                    break
-                self.sleep(max(wait_for, 0.05))  # nothing is in flight: holding the loop holds nobody up
-        finally:
-            if inflight:  # the run fails: what is in flight still settles (as a thread pool's shutdown waited)
-                await asyncio.wait(list(inflight))
-            stop_heartbeat.set()
-            heartbeat.join(timeout=5)
-            if threads is not None:
-                threads.shutdown(wait=True)
-            try:
-                await self.blocking(self.reliability.try_dispatch)  # this run's dead letters' alerts; the sensor retries
-                await aio.close_loop_locals()
-            finally:
-                self._io.shutdown(wait=True)
-                if self._calls is not None:
-                    self._calls.shutdown(wait=True)
-                    self._calls = None
+        self._engine = Engine(name=f"drain-{self.pipeline}", concurrency=self.concurrency, batch_size=self.batch_size,
+                              io_threads=self.io_threads, call_threads=self.call_threads,
+                              keep_every=self.lease_seconds / 3, linger_seconds=self.linger_seconds,
+                              max_seconds=self.max_seconds, sleep=self.sleep)
+        if inspect.iscoroutinefunction(handle):
+            async def work(item: WorkItem) -> None:
+                await self._awork_one(handle, item, report, lock)  # type: ignore[arg-type]
+            await self._engine.drain(_WorkQueue(self, group_key, report), work,
+                                     closing=self.reliability.try_dispatch)  # this run's dead letters' alerts
+        else:
+            await self._engine.drain(_WorkQueue(self, group_key, report),
+                                     functools.partial(self._work_one, handle, report=report, lock=lock),
+                                     closing=self.reliability.try_dispatch)
         return report
 
     # --- claiming and leases ---------------------------------------------------------------------
@@ -454,25 +422,9 @@ class Drain:
             return None
         return (backlog.next_due_at - now).total_seconds()
 
-    def _heartbeat(self, inflight: dict[asyncio.Future[None], WorkItem], lock: threading.Lock, stop: threading.Event) -> None:
-        """Extend the leases of entities still being worked, every third of a lease."""
-        while not stop.wait(self.lease_seconds / 3):
-            with lock:
-                items = list(inflight.values())
-            if not items:
-                continue
-            try:
-                now = self.reliability.now()
-                with self.engine.begin() as conn:
-                    work.extend(conn, items, lease_seconds=self.lease_seconds, now=now)
-                for item in items:
-                    self._lease_ends[item.id] = now + timedelta(seconds=self.lease_seconds)
-            except Exception:  # noqa: BLE001 - a missed extension only risks a reclaim, which fencing makes safe
-                log.warning("drain %s: lease extension failed", self.pipeline)
-
     # --- one entity --------------------------------------------------------------------------------
 
-    def _work_one(self, handle: Handler, item: WorkItem, report: DrainReport, lock: threading.Lock) -> None:
+    def _work_one(self, handle: Handler, item: WorkItem, *, report: DrainReport, lock: threading.Lock) -> None:
         """A plain handler's entity, on a thread of its own from claim to settlement."""
         attempt = Attempt(item=item, drain=self, report=report, report_lock=lock)
         try:

@@ -224,7 +224,6 @@ class MatchingResource(ConfigurableResource):
     visibility_timeout_seconds: int = 60
     max_receive_count: int = 3
     batch_size: int = 5
-    receivers: int = 2
     in_flight: int | None = None  # documents a drain run processes at once; None: two batches
     max_batches_per_run: int = 100
     receive_wait_seconds: int = 1

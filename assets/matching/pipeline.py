@@ -8,7 +8,7 @@ is one transaction serialized per tenant.
 
 # No `from __future__ import annotations`: Dagster reads config and resource types from live annotations.
 
-import time
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,11 +48,10 @@ def build_worker(context: dg.OpExecutionContext, reliability: ReliabilityResourc
             llm_max_attempts=matching.llm_max_attempts,
             candidate_limit=matching.candidate_limit,
             batch_size=matching.batch_size,
-            receivers=matching.receivers,
             in_flight=matching.in_flight,
         ),
         admin_link=matching.admin_link,
-        sleep=lambda seconds: time.sleep(seconds * scale),  # REDRIVE_TIME_SCALE shrinks 2 s → 4 s → 8 s
+        sleep=lambda seconds: asyncio.sleep(seconds * scale),  # REDRIVE_TIME_SCALE shrinks 2 s → 4 s → 8 s
         run_id=context.run_id,
         log=context.log,
     )
@@ -182,7 +181,6 @@ def matching_resource(settings: Settings, matching: MatchingSettings) -> Matchin
         visibility_timeout_seconds=matching.visibility_timeout_seconds,
         max_receive_count=matching.max_receive_count,
         batch_size=matching.batch_size,
-        receivers=matching.receivers,
         in_flight=matching.in_flight,
         max_batches_per_run=matching.max_batches_per_run,
         receive_wait_seconds=matching.receive_wait_seconds,

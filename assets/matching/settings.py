@@ -22,11 +22,11 @@ class MatchingSettings(BaseSettings):
     )
     max_receive_count: int = Field(default=3, ge=1, le=1000, description="Redrive policy: deliveries before the DLQ.")
     batch_size: int = Field(default=5, ge=1, le=10, description="Messages per ReceiveMessage, processed concurrently.")
-    receivers: int = Field(default=2, ge=1, le=8, description="Threads of a drain receiving batches in parallel.")
     in_flight: int | None = Field(
         default=None, ge=1, le=256,
-        description="Documents one drain run processes at once, a thread each (unset: two batches); size it to the "
-                    "LLM's slots over the drain runs at once (docs/operating.md, Upstream limits).")
+        description="Documents one drain run processes at once, a task each, no thread while it waits on the LLM "
+                    "(unset: two batches); size it to the LLM's slots over the drain runs at once (docs/operating.md, "
+                    "Upstream limits).")
     max_batches_per_run: int = Field(default=100, ge=1, description="A drain run stops after this many batches.")
     receive_wait_seconds: int = Field(default=1, ge=0, le=20, description="Long-poll wait of each ReceiveMessage.")
     max_concurrent_drains: int = Field(default=1, ge=1, description="The queue sensor starts no more drain runs.")

@@ -18,34 +18,33 @@ returns an empty result on failure: the LLM's answer is a valid decision or an e
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
-import threading
+import math
 import time
 from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import httpx
 import sqlalchemy as sa
 from pydantic import ValidationError
 
 from assets.matching import policy, repository
 from assets.matching.policy import PIPELINE, Action, Embedder, MatchDecision, MatchingMessage, Prepared
 from assets.matching.repository import WriteHooks, WriteResult
-from redrive import logs, observations, upstreams
+from redrive import aio, logs, observations, upstreams
 from redrive.backoff import MATCHING_LLM_BACKOFF, MATCHING_VISIBILITY_BACKOFF
-from redrive.clock import Sleep
 from redrive.failures import Code, Failure, RetryableError, classify_exception
 from redrive.group_commit import GroupCommit
+from redrive.engine import Engine
 from redrive.reliability import Reliability
-from redrive.retrying import call_with_retries
+from redrive.retrying import acall_with_retries
 from redrive.sanitize import sanitize_exception
 from redrive.upstream_policy import RetryDeferred
 from redrive.settle import Budget, Settled, Verdict, Write, settle
 from redrive.vocabularies import MATCHING
-from resources.http import Pools, client_pools
 from resources.llm import LlmResource
 from resources.matching import MatchingQueue, ReceivedMessage
 
@@ -67,8 +66,7 @@ class WorkerConfig:
     llm_max_attempts: int = 3
     candidate_limit: int = 10
     batch_size: int = 5
-    in_flight: int | None = None  # messages processed at once by a drain; None: two batches
-    receivers: int = 2  # threads receiving batches in parallel (each waits for a batch's worth of free threads)
+    in_flight: int | None = None  # documents a drain works at once (a task each, no thread); None: two batches
 
 
 class _Write(NamedTuple):
@@ -111,41 +109,66 @@ class DrainReport:
         return [o for o in self.outcomes if o.action is None]
 
 
-class _Intake:
-    """The drain's free threads and batch budget, shared by its receivers."""
+Delivery = Callable[[], Awaitable[Outcome]]
 
-    def __init__(self, free: int, max_batches: int) -> None:
-        self.lock = threading.Condition()
-        self.free, self.max_batches, self.batches, self.stopped = free, max_batches, 0, False
 
-    def reserve(self, size: int) -> bool:
-        """Wait for `size` free threads and count a batch; False once the drain stops or the budget is spent."""
-        with self.lock:
-            self.lock.wait_for(lambda: self.stopped or self.batches >= self.max_batches or self.free >= size)
-            if self.stopped or self.batches >= self.max_batches:
-                return False
-            self.free -= size
-            self.batches += 1
-            return True
+class _Batch:
+    """A received batch, admitted once (parsed, marked in one statement, pre-processed and retrieved) on an I/O
+    thread by the first of its deliveries to start, while the engine receives the next batch."""
 
-    def unreserve(self, size: int) -> None:
-        """The receive came back empty: no batch, threads free again."""
-        with self.lock:
-            self.batches -= 1
-            self.free += size
-            self.lock.notify_all()
+    def __init__(self, worker: Worker, messages: list[ReceivedMessage]) -> None:
+        self.worker, self.messages = worker, messages
+        self._admitted: asyncio.Future[list[Delivery]] | None = None
 
-    def release(self, n: int) -> None:
-        with self.lock:
-            self.free += n
-            self.lock.notify_all()
+    async def delivery(self, index: int) -> Delivery:
+        if self._admitted is None:
+            self._admitted = asyncio.ensure_future(asyncio.to_thread(self.worker.admit_safely, self.messages))
+        return (await asyncio.shield(self._admitted))[index]
 
-    def stop(self, *, unreserve: int) -> None:
-        with self.lock:
-            self.batches -= 1
-            self.free += unreserve
-            self.stopped = True
-            self.lock.notify_all()
+
+class _Received(NamedTuple):
+    batch: _Batch
+    index: int
+
+
+class _Queue:
+    """The matching queue as the core engine's source: a claim is a ReceiveMessage of a batch, once a batch's worth of
+    slots is free (a batch budget counts receives, so a run's `max_batches` are whole batches).
+
+    Short polls while messages come; after an empty one, long polls. The queue empty after a long poll with
+    nothing in flight, or `max_batches` received, and the drain claims no more: while documents are in flight
+    it keeps polling, so a producer's pause shorter than the run's work ends no run (each run's start costs the
+    sensor's interval and a process). Nothing to keep: a delivery waiting on the LLM's retries extends its own
+    message's visibility (`decide`), and SQS, not this run, decides when a message is due again."""
+
+    def __init__(self, worker: Worker, max_batches: int, wait_seconds: int) -> None:
+        self.worker, self.max_batches, self.wait_seconds = worker, max_batches, wait_seconds
+        self.batches, self.poll, self.empty = 0, 0, False
+
+    def claim(self, limit: int, held: list[_Received]) -> list[_Received]:
+        size = self.worker.config.batch_size
+        if self.stopped() or limit < size:  # a batch's worth of slots, or no receive: batches stay whole
+            return []
+        while not (messages := self.worker.queue.receive(size, self.poll)):
+            if self.poll == self.wait_seconds:  # empty after the long poll: done, once what it holds is
+                self.empty = not held
+                return []
+            self.poll = self.wait_seconds
+        self.poll, self.batches = 0, self.batches + 1
+        batch = _Batch(self.worker, messages)
+        return [_Received(batch, i) for i in range(len(messages))]
+
+    def keep(self, held: list[_Received]) -> None:
+        return None
+
+    def next_due_in(self) -> float | None:
+        return None
+
+    def stopped(self) -> bool:
+        return self.empty or self.batches >= self.max_batches
+
+    def released(self, item: _Received) -> None:
+        return None
 
 
 @dataclass
@@ -155,13 +178,13 @@ class Worker:
     llm: LlmResource
     config: WorkerConfig = field(default_factory=WorkerConfig)
     admin_link: Callable[[str, str | None], str] = lambda doc, tenant: f"/admin/documents/{doc}"
-    sleep: Sleep = time.sleep  # in-process LLM backoff; the caller scales it
+    # the in-process LLM backoff, awaited (a coroutine function) or a test's recorder; the caller scales it
+    sleep: Callable[[float], Awaitable[None] | None] = asyncio.sleep
     embedder: Embedder = policy.DEFAULT_EMBEDDER
     hooks: WriteHooks = field(default_factory=WriteHooks)
     before_write: Callable[[str], None] = lambda document_id: None  # test seam, outside the transaction
     run_id: str | None = None
     log: Any = _log
-    http: Pools[httpx.Client] | None = None  # the drain's own, one connection per document in flight
     _writes: GroupCommit[_Write, WriteResult] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -173,69 +196,30 @@ class Worker:
     def drain(self, *, max_batches: int, wait_seconds: int = 0) -> DrainReport:
         """Receive batches until the queue answers empty (after its long poll) or the batch budget is spent.
 
-        Pipelined: `config.receivers` threads receive (short polls while messages come, the long
-        poll only when one came back empty) while up to `config.in_flight` messages are processed,
-        one thread each. A batch is received only when a batch's worth of threads is free, so no
-        message waits in a buffer while its 60 s visibility runs, and none waits out its visibility
-        behind another's LLM retries. Each batch's documents are marked in one statement; deletes
-        and visibility changes of concurrent threads leave in batch calls (`MatchingQueue`).
+        The core's engine (`redrive.engine`) over the queue: up to `config.in_flight` documents at once, each a
+        task that holds no thread while it waits on the LLM, its database and SQS calls on the run's I/O threads.
+        A batch is received only when a batch's worth of slots is free, so no message waits in a buffer while
+        its 60 s visibility runs, and none waits out its visibility behind another's LLM retries. Each batch's
+        documents are marked in one statement; deletes and visibility changes of concurrent deliveries leave in
+        batch calls (`MatchingQueue`). A receive that fails (SQS down) fails the drain, after the work in flight.
         """
         size = self.config.batch_size
-        limit = max(size, self.config.in_flight or 2 * size)
-        intake = _Intake(limit, max_batches)
         outcomes: list[Outcome] = []
-        running: list[Future[Outcome]] = []
-        own_http = self.http is None
-        if own_http:
-            self.http = client_pools(limit, timeout=self.llm.timeout_seconds)
 
-        def task(deliver: Callable[[], Outcome]) -> Outcome:
-            try:
-                return deliver()
-            finally:
-                intake.release(1)
+        async def work(received: _Received) -> None:
+            deliver = await received.batch.delivery(received.index)
+            outcomes.append(await deliver())
 
-        def receive() -> None:
-            poll = 0  # short polls while the queue answers; the long poll only to confirm it is empty
-            while intake.reserve(size):
-                try:
-                    messages = self.queue.receive(size, poll)
-                except BaseException:
-                    intake.stop(unreserve=size)
-                    raise
-                if not messages:
-                    if poll == wait_seconds:  # empty after the long poll: the drain is done
-                        intake.stop(unreserve=size)
-                        return
-                    intake.unreserve(size)
-                    poll = wait_seconds
-                    continue
-                poll = 0
-                intake.release(size - len(messages))
-                deliveries = self.admit_safely(messages)
-                with intake.lock:
-                    running.extend(pool.submit(task, d) for d in deliveries)
-
-        try:
-            with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="matching") as pool, \
-                    ThreadPoolExecutor(max_workers=max(1, self.config.receivers),
-                                       thread_name_prefix="matching-receive") as receivers:
-                received = [receivers.submit(receive) for _ in range(max(1, self.config.receivers))]
-                wait(received)
-                outcomes = [f.result() for f in wait(running).done]
-                for r in received:
-                    r.result()  # a receive that failed (SQS down) fails the drain, after the in-flight work
-        finally:
-            if own_http and self.http is not None:
-                self.http.close()
-                self.http = None
-        return DrainReport(outcomes, intake.batches)
+        engine: Engine[_Received] = Engine(name="matching", concurrency=max(size, self.config.in_flight or 2 * size),
+                                           batch_size=size, linger_seconds=0, max_seconds=math.inf)
+        batches = asyncio.run(engine.drain(_Queue(self, max_batches, wait_seconds), work))
+        return DrainReport(outcomes, batches)
 
     def handle_safely(self, message: ReceivedMessage) -> Outcome:
         """The flow's own bookkeeping failed (database or SQS down): leave the message; SQS redelivers it."""
-        return self.admit_safely([message])[0]()
+        return _once(lambda: self.admit_safely([message])[0]())
 
-    def admit_safely(self, messages: list[ReceivedMessage]) -> list[Callable[[], Outcome]]:
+    def admit_safely(self, messages: list[ReceivedMessage]) -> list[Delivery]:
         """`admit`, with each delivery's bookkeeping failure reported as an outcome (message left for SQS)."""
         def left(message: ReceivedMessage, exc: Exception) -> Outcome:
             failure = classify(exc)
@@ -243,10 +227,10 @@ class Worker:
                            f"{failure.code}: {failure.message}")
             return Outcome(message.message_id, None, None, message.receive_count, code=failure.code)
 
-        def safely(message: ReceivedMessage, deliver: Callable[[], Outcome]) -> Callable[[], Outcome]:
-            def run() -> Outcome:
+        def safely(message: ReceivedMessage, deliver: Delivery) -> Delivery:
+            async def run() -> Outcome:
                 try:
-                    return deliver()
+                    return await deliver()
                 except Exception as exc:  # noqa: BLE001 - reported in the run's outcome and log
                     return left(message, exc)
             return run
@@ -254,18 +238,19 @@ class Worker:
         try:
             admitted = self.admit(messages)
         except Exception as exc:  # noqa: BLE001 - the batch's mark failed: every message stays in SQS
-            return [lambda m=m, e=exc: left(m, e) for m in messages]
+            return [_now(lambda m=m, e=exc: left(m, e)) for m in messages]
         return [safely(m, d) for m, d in zip(messages, admitted, strict=True)]
 
     # -- one delivery ------------------------------------------------------------------------
 
     def handle(self, message: ReceivedMessage) -> Outcome:
-        return self.admit([message])[0]()
+        """One delivery start to finish, on a loop of its own (tests, tools)."""
+        return _once(lambda: self.admit([message])[0]())
 
-    def admit(self, messages: list[ReceivedMessage]) -> list[Callable[[], Outcome]]:
+    def admit(self, messages: list[ReceivedMessage]) -> list[Delivery]:
         """Parse a received batch, mark its documents in progress (one statement, committed), then
         pre-process them (one statement, committed on its own as 000 says) and retrieve their
-        candidates on the same connection; one delivery each, which asks the LLM and writes."""
+        candidates on the same connection; one delivery each (a coroutine), which asks the LLM and writes."""
         bodies: list[MatchingMessage | ValidationError] = []
         for message in messages:
             try:
@@ -279,10 +264,10 @@ class Worker:
                 marked = repository.mark_deliveries(conn, ids, self.runtime.now())
         ready = self._prepare_and_retrieve([d for d in marked if d is not None])
         docs = iter(marked)
-        out: list[Callable[[], Outcome]] = []
+        out: list[Delivery] = []
         for message, body in zip(messages, bodies, strict=True):
             if isinstance(body, ValidationError):
-                out.append(lambda m=message, e=body: self._quarantine(m, e))
+                out.append(_blocking(lambda m=message, e=body: self._quarantine(m, e)))
             else:
                 doc = next(docs)
                 out.append(lambda m=message, b=body, d=doc, r=ready.get(doc["id"]) if doc else None:
@@ -311,23 +296,30 @@ class Worker:
             self.log.warning(f"matching: batch pre-processing failed ({classify(exc).code}); per document instead")
             return {}
 
-    def _deliver(self, message: ReceivedMessage, body: MatchingMessage, doc: dict[str, Any] | None,
-                 ready: Retrieved | None = None) -> Outcome:
-        """000's flow from `in-progress` on: match, then delete, or decide on the failure."""
+    async def _deliver(self, message: ReceivedMessage, body: MatchingMessage, doc: dict[str, Any] | None,
+                       ready: Retrieved | None = None) -> Outcome:
+        """000's flow from `in-progress` on: match, then delete, or decide on the failure. Only the LLM is
+        awaited on the loop; the database and SQS are called on the run's I/O threads."""
         if doc is None:
-            failure = MATCHING.apply(Failure.of(Code.NOT_FOUND, message="document not found"))
-            letter = self._settle(body.document_id, None, failure, message, attempts=message.receive_count,
-                                  stack="").dead_letter_id
-            deleted = self._sqs(lambda: self.queue.delete(message.receipt_handle), f"delete of {body.document_id}")
-            return Outcome(message.message_id, body.document_id, Action.FAILED, message.receive_count,
-                           code=failure.code, deleted=deleted, dead_letter_id=letter)
-
+            return await asyncio.to_thread(self._not_found, message, body)
         calls = [0]
         started = time.perf_counter()
         try:
-            edges = self.match(doc, message, calls, ready, started=started)
+            edges = await self.match(doc, message, calls, ready, started=started)
         except Exception as exc:  # noqa: BLE001 - every failure is classified and decided on
-            return self._after_failure(message, doc, classify(exc), exc, calls[0], time.perf_counter() - started)
+            return await asyncio.to_thread(self._after_failure, message, doc, classify(exc), exc, calls[0],
+                                           time.perf_counter() - started)
+        return await asyncio.to_thread(self._succeeded, message, doc, edges, calls[0])
+
+    def _not_found(self, message: ReceivedMessage, body: MatchingMessage) -> Outcome:
+        failure = MATCHING.apply(Failure.of(Code.NOT_FOUND, message="document not found"))
+        letter = self._settle(body.document_id, None, failure, message, attempts=message.receive_count,
+                              stack="").dead_letter_id
+        deleted = self._sqs(lambda: self.queue.delete(message.receipt_handle), f"delete of {body.document_id}")
+        return Outcome(message.message_id, body.document_id, Action.FAILED, message.receive_count,
+                       code=failure.code, deleted=deleted, dead_letter_id=letter)
+
+    def _succeeded(self, message: ReceivedMessage, doc: dict[str, Any], edges: int, llm_calls: int) -> Outcome:
         # the process's log, as the drain's "done" line: in the run's own log (Dagster's event log) a line per
         # document was a row and a new PostgreSQL connection each, and 10,000 lines hid its failures
         _log.info(f"matching: {doc['id']} matched ({edges} edges)", extra=self._fields(doc, message.receive_count))
@@ -335,29 +327,34 @@ class Worker:
             self.runtime.succeeded(PIPELINE, doc["id"])
         deleted = self._sqs(lambda: self.queue.delete(message.receipt_handle), f"delete after success of {doc['id']}")
         return Outcome(message.message_id, doc["id"], Action.SUCCEEDED, message.receive_count,
-                       deleted=deleted, llm_calls=calls[0], edges=edges)
+                       deleted=deleted, llm_calls=llm_calls, edges=edges)
 
-    def match(self, doc: dict[str, Any], message: ReceivedMessage | None, calls: list[int],
-              ready: Retrieved | None = None, *, started: float | None = None) -> int:
+    async def match(self, doc: dict[str, Any], message: ReceivedMessage | None, calls: list[int],
+                    ready: Retrieved | None = None, *, started: float | None = None) -> int:
         """Pre-process (committed on its own), retrieve, decide, write; returns the number of edges.
         `ready`: pre-processing and retrieval already done for the batch (`admit`). The write phase
         goes with those of the other deliveries writing at the same moment (`_write_group`), and
         with the stage's observations (timed from `started`)."""
-        if ready is None:
-            prepared = policy.prepare(doc, self.embedder)
-            with self.runtime.engine.begin() as conn:
-                repository.save_prepared(conn, doc["id"], prepared)
-            with self.runtime.engine.connect() as conn:
-                found = repository.retrieve_candidates(conn, doc["id"], doc["tenant"], prepared)
-        else:
-            prepared, found = ready
+        prepared, found = ready if ready is not None else await asyncio.to_thread(self._prepare, doc)
         candidates = policy.rank_candidates(prepared, found, self.config.candidate_limit)
-        decision = self.decide(doc, candidates, message, calls) if candidates else MatchDecision(matches=[])
+        decision = await self.decide(doc, candidates, message, calls) if candidates else MatchDecision(matches=[])
         edges = policy.edges_from(doc["id"], decision, candidates)
-        self.before_write(doc["id"])
-        self._writes(_Write(repository.Write(doc["id"], doc["tenant"], edges),
-                            time.perf_counter() if started is None else started))
+        write = _Write(repository.Write(doc["id"], doc["tenant"], edges),
+                       time.perf_counter() if started is None else started)
+        await asyncio.to_thread(self._write, doc["id"], write)
         return len(edges)
+
+    def _prepare(self, doc: dict[str, Any]) -> Retrieved:
+        """One document's pre-processing (committed on its own) and retrieval, when its batch's failed."""
+        prepared = policy.prepare(doc, self.embedder)
+        with self.runtime.engine.begin() as conn:
+            repository.save_prepared(conn, doc["id"], prepared)
+        with self.runtime.engine.connect() as conn:
+            return Retrieved(prepared, repository.retrieve_candidates(conn, doc["id"], doc["tenant"], prepared))
+
+    def _write(self, document_id: str, write: _Write) -> None:
+        self.before_write(document_id)
+        self._writes(write)
 
     def _write_group(self, writes: list[_Write]) -> list[WriteResult | Exception]:
         """000's write phases of several deliveries in one transaction, with their `ok` and `done`
@@ -386,32 +383,34 @@ class Worker:
                 out.append(exc)
         return out
 
-    def decide(self, doc: dict[str, Any], candidates: list[policy.Candidate], message: ReceivedMessage | None,
-               calls: list[int]) -> MatchDecision:
-        """llm-match-decision: a valid decision or an exception, with 000's in-process retries."""
+    async def decide(self, doc: dict[str, Any], candidates: list[policy.Candidate], message: ReceivedMessage | None,
+                     calls: list[int]) -> MatchDecision:
+        """llm-match-decision: a valid decision or an exception, with 000's in-process retries; the call and the
+        waits between calls are awaited, so a document waiting on the LLM holds no thread."""
         messages = policy.build_messages(doc, candidates)
         schema = policy.decision_schema(len(candidates))
 
-        def ask() -> MatchDecision:
+        async def ask() -> MatchDecision:
             calls[0] += 1
-            return self.llm.chat_json(messages, schema, client=self.http.next() if self.http else None)
+            return await self.llm.achat_json(messages, schema)
 
-        def heartbeat() -> None:
+        async def heartbeat() -> None:
             if message is not None:  # keep the message hidden while we wait
                 try:
-                    self.queue.change_visibility(message.receipt_handle, self.config.visibility_timeout)
+                    await asyncio.to_thread(self.queue.change_visibility, message.receipt_handle,
+                                            self.config.visibility_timeout)
                 except Exception:  # noqa: BLE001 - a missed heartbeat costs a duplicate delivery, not data
                     self.log.warning(f"matching: visibility heartbeat for {doc['id']} failed")
 
-        def on_retry(failure: Failure, attempt: int, delay: float) -> None:
+        async def on_retry(failure: Failure, attempt: int, delay: float) -> None:
             self.log.info(f"matching: {doc['id']} LLM attempt {attempt}/{self.config.llm_max_attempts} "
-                             f"{failure.code}; retrying in {delay:g}s (unscaled)")
-            heartbeat()
+                          f"{failure.code}; retrying in {delay:g}s (unscaled)")
+            await heartbeat()
 
         rng = self.runtime.rng_for(f"{PIPELINE}:{doc['id']}:llm:{doc['matching_attempts']}")
         holds = [0]
 
-        def hold(deferred: RetryDeferred) -> None:
+        async def hold(deferred: RetryDeferred) -> None:
             """The LLM's retry budget is spent: this retry waits here, the message kept hidden, and spends
             neither an LLM attempt nor a delivery (SQS would count a delivery toward the DLQ). Held MAX_HOLDS
             times (a budget that stays spent), it ends the in-process retries as a long Retry-After does, and
@@ -423,16 +422,22 @@ class Worker:
                     Code.RATE_LIMITED, message="the LLM's retry budget stayed spent",
                     retry_after=MATCHING_LLM_BACKOFF.retry_after_ceiling + deferred.wait)) from deferred
             self.log.info(f"matching: {doc['id']} retry held back by the LLM's retry budget")
-            heartbeat()
-            self.sleep(deferred.due_after(rng))
+            await heartbeat()
+            await self._pause(deferred.due_after(rng))
 
         # 000 as written: a Retry-After longer than the in-process backoff honours ends these retries;
         # the visibility step (5 / 30 min) takes over. A redelivery's first call is a retry to the LLM too.
         with upstreams.retrying(doc["matching_attempts"] > 1):
-            return call_with_retries(ask, classify=classify, policy=MATCHING_LLM_BACKOFF,
-                                     max_attempts=self.config.llm_max_attempts, sleep=self.sleep, rng=rng,
-                                     on_retry=on_retry, max_server_delay=MATCHING_LLM_BACKOFF.retry_after_ceiling,
-                                     on_deferred=hold)
+            return await acall_with_retries(ask, classify=classify, policy=MATCHING_LLM_BACKOFF,
+                                            max_attempts=self.config.llm_max_attempts, sleep=self._pause, rng=rng,
+                                            on_retry=on_retry, max_server_delay=MATCHING_LLM_BACKOFF.retry_after_ceiling,
+                                            on_deferred=hold)
+
+    async def _pause(self, seconds: float) -> None:
+        """The in-process backoff through `sleep`: awaited, or a test's recorder that returns at once."""
+        waited = self.sleep(seconds)
+        if inspect.isawaitable(waited):
+            await waited
 
     # -- after a failure -----------------------------------------------------------------------
 
@@ -543,3 +548,27 @@ class Worker:
 def _nothing_to_write(conn: sa.Connection, verdict: Verdict) -> bool:
     """No state of its own to write: the dead letter is the record."""
     return True
+
+
+def _blocking(fn: Callable[[], Outcome]) -> Delivery:
+    """A delivery that is only database and SQS calls (a malformed message): on an I/O thread."""
+    async def run() -> Outcome:
+        return await asyncio.to_thread(fn)
+    return run
+
+
+def _now(fn: Callable[[], Outcome]) -> Delivery:
+    """A delivery already decided (its batch's mark failed): nothing to wait for."""
+    async def run() -> Outcome:
+        return fn()
+    return run
+
+
+def _once(deliver: Callable[[], Awaitable[Outcome]]) -> Outcome:
+    """One delivery on a loop of its own, whose clients close with it."""
+    async def run() -> Outcome:
+        try:
+            return await deliver()
+        finally:
+            await aio.close_loop_locals()
+    return asyncio.run(run())

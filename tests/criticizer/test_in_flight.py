@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-
-import psutil
-
 from assets.criticizer import api
 from redrive.drain import Drain
 from tests.criticizer.conftest import webhook_posts
+from tests.threads import thread_growth
 
 N = 60
 
@@ -20,21 +17,9 @@ def test_one_run_keeps_sixty_requests_waiting_on_the_llm_at_once_on_a_few_thread
     for i in range(N):
         submit(f"wide-{i}")
     sandbox.set_profile("llm", latency=3.0)  # long enough for all 60 to get there, on a loaded machine too
-    me = psutil.Process()
-    before, peak, stop = me.num_threads(), [0], threading.Event()
-
-    def watch() -> None:
-        while not stop.wait(0.05):
-            peak[0] = max(peak[0], me.num_threads())
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
+    with thread_growth() as grew:
         result = run("wide-0", config={"ops": {"criticizer_drain": {"config": {
             "concurrency": N, "batch_size": N, "linger_seconds": 0.0}}}})
-    finally:
-        stop.set()
-        watcher.join(5)
     assert result.success
     assert {api.status(engine, f"wide-{i}").status for i in range(N)} == {"done"}
     assert all(len(webhook_posts(sandbox, f"wide-{i}")) == 1 for i in range(N))
@@ -42,7 +27,7 @@ def test_one_run_keeps_sixty_requests_waiting_on_the_llm_at_once_on_a_few_thread
     # bounded by the run's pools, not by the requests: its I/O threads, its call threads for the fast upstreams
     # (store, webhook, Slack), the heartbeat and Dagster's own; a thread per request would be 60 more
     bound = Drain.io_threads + Drain.call_threads + 6
-    assert bound < N and peak[0] - before <= bound, (before, peak[0])
+    assert bound < N and grew[0] <= bound, grew
 
 
 def test_llm_calls_in_flight_are_spread_over_small_connection_pools(sandbox) -> None:

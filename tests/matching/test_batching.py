@@ -1,4 +1,4 @@
-"""Issue 14, matching at speed: batch calls to SQS, one mark per received batch, parallel receivers —
+"""Issue 14, matching at speed: batch calls to SQS, one mark per received batch, the core engine's receives —
 each through moto SQS, the sandbox LLM and PostgreSQL, with 000's per-delivery behaviour unchanged."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 from botocore.exceptions import ClientError
 
 from assets.matching import repository
@@ -109,20 +108,22 @@ def test_one_mark_for_a_batch_counts_every_delivery(engine, queue) -> None:
     assert row(engine, "m-1")["matching_attempts"] == 2
 
 
-@pytest.mark.parametrize("receivers", [1, 3])
-def test_parallel_receivers_match_every_document_once_and_long_poll_only_when_idle(
-        engine, queue, sandbox, make_worker, receivers) -> None:
-    """25 documents in batches of 4 with 8 in flight: all succeeded once, every message deleted, receives
-    short-poll while messages come and the long poll is asked for only after an empty answer."""
+def test_the_drain_matches_every_document_once_and_long_polls_only_when_idle(
+        engine, queue, sandbox, make_worker) -> None:
+    """25 documents in batches of 4 with 6 in flight: all succeeded once, every message deleted, receives ask for
+    whole batches, short-poll while messages come and long-poll after an empty answer, until the queue is empty
+    with nothing in flight."""
     ids = [f"p-{i:02d}" for i in range(25)]
     ingest(engine, queue, *[doc(i) for i in ids])
     sandbox.set_default("llm", content=NO_MATCH)
-    worker = make_worker(config=WorkerConfig(visibility_scale=1.0, batch_size=4, in_flight=8, receivers=receivers))
+    worker = make_worker(config=WorkerConfig(visibility_scale=1.0, batch_size=4, in_flight=6))
     polls: list[int] = []
+    asked: set[int] = set()
     real = worker.queue.receive
 
     def receive(max_messages: int, wait_seconds: int = 0, **kwargs):
         polls.append(wait_seconds)
+        asked.add(max_messages)
         return real(max_messages, 0, **kwargs)  # moto's long poll would only wait on an empty queue
 
     worker.queue.receive = receive
@@ -130,7 +131,8 @@ def test_parallel_receivers_match_every_document_once_and_long_poll_only_when_id
     assert sorted(o.document_id for o in report.outcomes) == ids
     assert {o.action for o in report.outcomes} == {Action.SUCCEEDED} and all(o.deleted for o in report.outcomes)
     assert report.batches == 7  # 25 messages in receives of at most 4
-    assert polls.count(5) <= receivers and polls[:7] == [0] * 7
+    assert polls[:8] == [0] * 8 and set(polls[8:]) == {5}
+    assert asked == {4}  # a receive waits for a whole batch's slots: the run's batch budget counts whole batches
     with engine.connect() as conn:
         assert repository.status_counts(conn, ids) == {"succeeded": 25}
     assert {row(engine, i)["matching_attempts"] for i in ids} == {1}
@@ -138,10 +140,62 @@ def test_parallel_receivers_match_every_document_once_and_long_poll_only_when_id
 
 
 def test_a_batch_budget_stops_every_receiver(engine, queue, sandbox, make_worker) -> None:
-    """max_batches counts non-empty receives across receivers: 2 batches of 3, the rest stays queued."""
+    """max_batches counts non-empty receives: 2 batches of 3, the rest stays queued."""
     ingest(engine, queue, *[doc(f"q-{i}") for i in range(10)])
     sandbox.set_default("llm", content=NO_MATCH)
-    worker = make_worker(config=WorkerConfig(visibility_scale=1.0, batch_size=3, in_flight=6, receivers=2))
+    worker = make_worker(config=WorkerConfig(visibility_scale=1.0, batch_size=3, in_flight=6))
     report = worker.drain(max_batches=2)
     assert report.batches == 2 and len(report.outcomes) == 6
     assert queue.depth().visible == 4
+
+
+def test_one_drain_keeps_sixty_documents_waiting_on_the_llm_at_once_on_a_few_threads(
+        engine, queue, sandbox, make_worker) -> None:
+    """Issue 26 §2: 60 documents against an LLM that takes 3 s: the sandbox sees them all waiting at once, while
+    the drain's process gains no thread per document (the threaded drain added one per document in flight)."""
+    from redrive.engine import Engine
+    from tests.threads import thread_growth
+
+    n = 60
+    ingest(engine, queue, *[doc(f"w-{i:02d}") for i in range(n)])
+    sandbox.set_default("llm", content=NO_MATCH)
+    sandbox.set_profile("llm", latency=3.0)  # long enough for all 60 to get there, on a loaded machine too
+    with thread_growth() as grew:
+        report = make_worker(config=WorkerConfig(visibility_scale=1.0, batch_size=10, in_flight=n)).drain(
+            max_batches=100)
+    assert {o.action for o in report.outcomes} == {Action.SUCCEEDED} and len(report.outcomes) == n
+    assert sum(o.llm_calls for o in report.outcomes) >= n - 1  # the first of the tenant has no candidate
+    assert sandbox.meters("llm")["peak_concurrency"] >= (n - 1) * 0.9  # they waited on the LLM together
+    # bounded by the engine's I/O threads (and boto's, httpx's own), not by the documents
+    bound = Engine.io_threads + 6
+    assert bound < n and grew[0] <= bound, grew
+
+
+def test_an_empty_queue_ends_no_drain_while_documents_are_in_flight(engine, queue, sandbox, make_worker) -> None:
+    """A document published while another is still being matched, after the queue answered empty, is matched by
+    the same drain run, not left for the next run the sensor starts; once nothing is in flight, an empty queue
+    ends the run."""
+    ingest(engine, queue, doc("first"))
+    sandbox.set_default("llm", content=NO_MATCH)
+    answered_empty, published = threading.Event(), []
+    worker = make_worker()
+    real = worker.queue.receive
+
+    def receive(max_messages: int, wait_seconds: int = 0, **kwargs):
+        got = real(max_messages, wait_seconds, **kwargs)
+        if not got:
+            answered_empty.set()
+        return got
+
+    def before_write(document_id: str) -> None:  # "first" stays in flight until the queue has answered empty
+        if document_id == "first":
+            assert answered_empty.wait(30)
+            ingest(engine, queue, doc("second"))
+            published.append("second")
+
+    worker.queue.receive, worker.before_write = receive, before_write
+    report = worker.drain(max_batches=10, wait_seconds=0)
+    assert published == ["second"]
+    assert sorted(o.document_id for o in report.outcomes) == ["first", "second"] and report.batches == 2
+    assert {o.action for o in report.outcomes} == {Action.SUCCEEDED}
+    assert queue.depth().visible == queue.depth().in_flight == 0
