@@ -38,4 +38,4 @@ USER redrive
 EXPOSE 4000 8090
 
 # the same command as devstack/topology.py's "code-server" service (tests/foundation/test_deploying.py)
-CMD ["dagster", "api", "grpc", "-m", "orchestration.definitions", "--location-name", "redrive", "-h", "0.0.0.0", "-p", "4000", "--log-format", "json"]
+CMD ["python", "-m", "orchestration.code_server", "-m", "orchestration.definitions", "--location-name", "redrive", "-h", "0.0.0.0", "-p", "4000", "--log-format", "json"]

@@ -47,9 +47,10 @@ CODE_PACKAGES = ("assets", "orchestration", "redrive", "resources", "sensors")
 
 
 def compile_code_location() -> None:
-    """Write the code location's bytecode before any process loads it. The code server starts each run's process
-    with its own interpreter flags (`multiprocessing`'s spawn), so where PYTHONDONTWRITEBYTECODE is set (as in
-    many container images) no process ever writes it, and every run would compile every module from source."""
+    """Write the code location's bytecode before any process loads it. Where PYTHONDONTWRITEBYTECODE is set (as in
+    many container images) no process ever writes it, so every process that loads the location (the code server,
+    the daemon, its run workers' forkserver, a run under REDRIVE_RUN_PROCESS_START=spawn) would compile every
+    module from source."""
     import compileall
 
     for package in CODE_PACKAGES:
@@ -71,9 +72,11 @@ class Service:
 
 
 SERVICES: tuple[Service, ...] = (
-    Service("code-server", ("dagster", "api", "grpc", "-m", "orchestration.definitions", "--location-name", LOCATION,
-                            "-h", "{host}", "-p", "{grpc_port}", "--log-format", "{dagster_log_format}"),
-            "the code location: loads the Definitions once, serves them over gRPC, launches run workers", "grpc"),
+    Service("code-server", ("python", "-m", "orchestration.code_server", "-m", "orchestration.definitions",
+                            "--location-name", LOCATION, "-h", "{host}", "-p", "{grpc_port}",
+                            "--log-format", "{dagster_log_format}"),
+            "the code location (`dagster api grpc`): loads the Definitions once, serves them over gRPC, launches run "
+            "workers, each forked from a process that loaded the location once", "grpc"),
     Service("webserver", ("dagster-webserver", "-w", "{workspace}", "-h", "{host}", "-p", "{webserver_port}",
                           "--log-format", "{dagster_log_format}"),
             "the UI and GraphQL API", "/server_info"),

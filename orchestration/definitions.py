@@ -76,6 +76,19 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     )
 
 
+_prebuilt: dg.Definitions | None = None
+
+
+def prebuild() -> None:
+    """Build the Definitions once in the process every run's process is forked from (orchestration.code_server),
+    so a run starts with them built. A failure is left to each run to meet and report as its own."""
+    global _prebuilt
+    try:
+        _prebuilt = build_definitions()
+    except Exception:  # noqa: BLE001 - the run that builds them again fails with it, in its own event log
+        _prebuilt = None
+
+
 @dg.definitions
 def defs() -> dg.Definitions:
-    return build_definitions()
+    return _prebuilt if _prebuilt is not None else build_definitions()

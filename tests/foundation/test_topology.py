@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +60,37 @@ def eventually(check: Callable[[], Any], what: str, timeout: float = 180.0) -> A
             return result
         time.sleep(1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+class ProcessTree:
+    """The code server's descendants, sampled every 20 ms while it is entered: each one's parent and command line,
+    kept after it exited (a run's process lives seconds)."""
+
+    def __init__(self, root: int) -> None:
+        self.root, self.parents, self.cmdlines = root, {}, {}
+        self._stop = threading.Event()
+
+    def __enter__(self) -> ProcessTree:
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            try:
+                procs = [psutil.Process(self.root), *psutil.Process(self.root).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for proc in procs:
+                try:
+                    self.parents.setdefault(proc.pid, proc.ppid())
+                    self.cmdlines.setdefault(proc.pid, " ".join(proc.cmdline()))
+                except psutil.Error:
+                    continue
 
 
 @pytest.fixture
@@ -142,7 +174,15 @@ def test_topology_serves_work_and_leaves_no_process(db_url: str, dagster_pg_url:
             status = graphql(topology, RUN, id=run_id)["runOrError"]["status"]
             return status if status in {"SUCCESS", "FAILURE", "CANCELED"} else None
 
-        assert eventually(run_finished, "the healthcheck run", timeout=300) == "SUCCESS"
+        with ProcessTree(topology.processes["code-server"].proc.pid) as tree:
+            assert eventually(run_finished, "the healthcheck run", timeout=300) == "SUCCESS"
+        # the run's process was forked from the code server's forkserver, which loaded the location once: not a
+        # new interpreter that imports Dagster and the location and builds the Definitions for every run
+        run_pid = topology.api().step_process(run_id)
+        assert run_pid in tree.parents, (run_pid, tree.parents)
+        parent = tree.parents[run_pid]
+        assert "multiprocessing.forkserver" in tree.cmdlines[parent], tree.cmdlines[parent]
+        assert tree.parents[parent] == topology.processes["code-server"].proc.pid
         # each of the run's records is one JSON line in the services' logs (the run worker's included), and no
         # service prints a line of Dagster's console loggers (a run's, or a sensor's tick in the code server)
         logged = [line for p in topology.processes.values() for line in p.log.read_text(errors="replace").splitlines()]
