@@ -10,13 +10,14 @@ daemon's tick and reads a failed run's one line, the rehearsal and conversion de
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from devstack.postgres import create_database, drop_database, with_database
 from devstack.topology import SERVICES, Topology
 from redrive.db import engine_for, normalize_url
 from tests.conversion.conftest import make_pdf
+from tests.threads import sampled
 
 WORKSPACE = """{ workspaceOrError { ... on Workspace { locationEntries { name loadStatus
     displayMetadata { key value } locationOrLoadError { __typename ... on PythonError { message } } } } } }"""
@@ -62,35 +64,21 @@ def eventually(check: Callable[[], Any], what: str, timeout: float = 180.0) -> A
     raise AssertionError(f"timed out waiting for {what}")
 
 
-class ProcessTree:
-    """The code server's descendants, sampled every 20 ms while it is entered: each one's parent and command line,
-    kept after it exited (a run's process lives seconds)."""
+@contextmanager
+def process_tree(root: int) -> Iterator[dict[int, tuple[int, str]]]:
+    """The descendants of `root`, sampled every 20 ms while inside: pid -> (parent pid, command line), kept after
+    a process exited (a run's process lives seconds)."""
+    seen: dict[int, tuple[int, str]] = {}
 
-    def __init__(self, root: int) -> None:
-        self.root, self.parents, self.cmdlines = root, {}, {}
-        self._stop = threading.Event()
+    def sample() -> None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for proc in [psutil.Process(root), *psutil.Process(root).children(recursive=True)]:
+                if proc.pid not in seen:
+                    with contextlib.suppress(psutil.Error):
+                        seen[proc.pid] = (proc.ppid(), " ".join(proc.cmdline()))
 
-    def __enter__(self) -> ProcessTree:
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.02):
-            try:
-                procs = [psutil.Process(self.root), *psutil.Process(self.root).children(recursive=True)]
-            except psutil.NoSuchProcess:
-                continue
-            for proc in procs:
-                try:
-                    self.parents.setdefault(proc.pid, proc.ppid())
-                    self.cmdlines.setdefault(proc.pid, " ".join(proc.cmdline()))
-                except psutil.Error:
-                    continue
+    with sampled(sample, 0.02):
+        yield seen
 
 
 @pytest.fixture
@@ -174,15 +162,16 @@ def test_topology_serves_work_and_leaves_no_process(db_url: str, dagster_pg_url:
             status = graphql(topology, RUN, id=run_id)["runOrError"]["status"]
             return status if status in {"SUCCESS", "FAILURE", "CANCELED"} else None
 
-        with ProcessTree(topology.processes["code-server"].proc.pid) as tree:
+        code_server = topology.processes["code-server"].proc.pid
+        with process_tree(code_server) as tree:
             assert eventually(run_finished, "the healthcheck run", timeout=300) == "SUCCESS"
         # the run's process was forked from the code server's forkserver, which loaded the location once: not a
         # new interpreter that imports Dagster and the location and builds the Definitions for every run
         run_pid = topology.api().step_process(run_id)
-        assert run_pid in tree.parents, (run_pid, tree.parents)
-        parent = tree.parents[run_pid]
-        assert "multiprocessing.forkserver" in tree.cmdlines[parent], tree.cmdlines[parent]
-        assert tree.parents[parent] == topology.processes["code-server"].proc.pid
+        assert run_pid in tree, (run_pid, tree)
+        forkserver, _ = tree[run_pid]
+        assert "multiprocessing.forkserver" in tree[forkserver][1], tree[forkserver]
+        assert tree[forkserver][0] == code_server
         # each of the run's records is one JSON line in the services' logs (the run worker's included), and no
         # service prints a line of Dagster's console loggers (a run's, or a sensor's tick in the code server)
         logged = [line for p in topology.processes.values() for line in p.log.read_text(errors="replace").splitlines()]
