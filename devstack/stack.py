@@ -27,9 +27,12 @@ DAGSTER_DATABASE = "dagster"
 DAGSTER_YAML = """\
 # Written by devstack for local runs; see dagster.yaml.example for production.
 storage:
-  postgres:
-    postgres_url:
-      env: DAGSTER_PG_URL
+  custom:
+    module: orchestration.storage
+    class: PooledPostgresStorage
+    config:
+      postgres_url:
+        env: DAGSTER_PG_URL
 run_coordinator:
   # Dagster's QueuedRunCoordinator, which also tags asset-page launches and backfill runs with their pipeline.
   module: orchestration.run_coordinator

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import dagster as dg
@@ -81,12 +82,16 @@ _prebuilt: dg.Definitions | None = None
 
 def prebuild() -> None:
     """Build the Definitions once in the process every run's process is forked from (orchestration.code_server),
-    so a run starts with them built. A failure is left to each run to meet and report as its own."""
+    so a run starts with them built. A failure is left to each run to meet and report as its own; it is said here
+    in one line (its class only: the message may carry configuration), since every run then builds them again."""
     global _prebuilt
     try:
         _prebuilt = build_definitions()
-    except Exception:  # noqa: BLE001 - the run that builds them again fails with it, in its own event log
+    except Exception as exc:  # noqa: BLE001 - the run that builds them again fails with it, in its own event log
         _prebuilt = None
+        logging.getLogger(__name__).warning(
+            "the code server's forkserver could not build the Definitions (%s): each run builds them itself",
+            type(exc).__name__)
 
 
 @dg.definitions

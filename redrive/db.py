@@ -54,17 +54,17 @@ def engine_for(url: str) -> sa.Engine:
 
 
 POOL_CONNECTIONS = 15  # a process's cap (a drain run: its I/O threads, a plain handler's threads, the heartbeat)
-POOL_KEPT = 8  # what a drain at its default 8 in flight uses steadily stays open; a burst above it is closed again
 
 
 @lru_cache(maxsize=64)
 def _engine(url: str) -> sa.Engine:
-    # With 5 kept and 10 more as overflow, a drain at 8 in flight closed a connection at nearly every return and
-    # opened one at the next checkout, a new server backend each time (625 sessions for 1,000 review jobs, half of
-    # PostgreSQL's CPU for them; issue 26). Keeping all 15 it ever opened made every run worker hold its peak for
-    # its whole life: 8 evidence runs or 5 matching runs at once then held more than a 100-connection server has
-    # ("too many clients", thousands in one benchmark). 8 kept is what a drain uses steadily; the cap is as before.
-    return sa.create_engine(url, pool_pre_ping=True, pool_size=POOL_KEPT, max_overflow=POOL_CONNECTIONS - POOL_KEPT)
+    # Every connection a process opened stays open, up to the cap. A pool that keeps fewer than a drain uses at once
+    # closes one at nearly every return and opens one at the next checkout, a new server backend each time (its
+    # start, catalog caches and PL/pgSQL compiled again): with 5 kept, 625 sessions for 1,000 review jobs, half of
+    # PostgreSQL's CPU for them; with 8 kept, an evidence file-job run at 8 rows in flight (a row lock's connection
+    # and its commits' beside it) opened 42, a tenth of the deployment's CPU (issue 26). The server is sized by the
+    # peak (docs/operating.md, "PostgreSQL's connections"), which keeping does not raise.
+    return sa.create_engine(url, pool_pre_ping=True, pool_size=POOL_CONNECTIONS, max_overflow=0)
 
 
 engine_for.cache_clear = _engine.cache_clear  # type: ignore[attr-defined]

@@ -520,7 +520,7 @@ class Drain:
             last = attempt.current_stage or attempt.item.stage or next(iter(self.policies))
             observations.observe(conn, self.pipeline, last, observations.DONE)
         if log.isEnabledFor(logging.INFO):
-            log.info("%s done", attempt.entity_ref, extra=logs.fields(
+            log.info("done", extra=logs.fields(  # the entity is a field of the line, not in its words too
                 pipeline=self.pipeline, entity=attempt.entity_ref, stage=last, run_id=self.run_id,
                 attempt=sum(attempt.stage_attempts().values())))
         return "done"

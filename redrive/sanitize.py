@@ -13,6 +13,7 @@ hashing candidates: that takes the key. It is a correlation aid, not encryption.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -62,6 +63,7 @@ _KEY: list[bytes] = []  # the redaction key, loaded on first use (never at impor
 def configure_redaction_key(key: bytes | None) -> None:
     """Use ``key`` for markers from now on; None forgets it, so the next marker reloads the configured one."""
     _KEY.clear()
+    _sanitized_short.cache_clear()  # its markers were hashed under the old key
     if key is not None:
         _KEY.append(key)
 
@@ -339,15 +341,31 @@ def _split_markers(text: str) -> list[tuple[str, bool]]:
     return segments
 
 
+SHORT_TEXT = 256  # texts up to this long are remembered: a log line's fields repeat (pipeline, stage, run, logger)
+
+
 def sanitize_text(text: str) -> str:
     """Replace every secret and PII shape in ``text`` by a hashed marker; idempotent.
 
     Rules run over the text between markers only, and the whole pass repeats until nothing changes, so
     sanitizing an already sanitized text returns it unchanged (each pass strictly shrinks the plain
-    text, so the loop ends).
+    text, so the loop ends). A short text's result is remembered (the rules are a pure function of the text
+    and the key): 21 patterns cost ~12 µs even for `attach`, and a JSON log line's fields ~330 µs in all,
+    the largest part of a drain's settlement of an entity (issue 26).
     """
     if not text:
         return text
+    if len(text) <= SHORT_TEXT:
+        return _sanitized_short(text)
+    return _sanitized(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sanitized_short(text: str) -> str:
+    return _sanitized(text)
+
+
+def _sanitized(text: str) -> str:
     current = text
     while True:
         segments = _split_markers(current)
@@ -370,8 +388,13 @@ _SECRET_KEY_SUFFIX = re.compile(r"(?:token|session|sessionid|pwd|auth|signature)
 _TEXT_KEY_SUFFIX = re.compile(r"(?:prompts?|messages|body|content|text|completion|payload|input|output)$")
 
 
+_NOT_KEY_CHARACTER = re.compile(r"[^a-z0-9]")
+
+
+@functools.lru_cache(maxsize=1024)
 def _norm_key(key: str) -> str:
-    return re.sub(r"[^a-z0-9]", "", key.lower())
+    """A mapping key as the key patterns read it; remembered, a structure's keys repeat (a log line asks 27 times)."""
+    return _NOT_KEY_CHARACTER.sub("", key.lower())
 
 
 def is_secret_key(key: str) -> bool:

@@ -141,6 +141,28 @@ def test_markers_are_keyed_so_a_phone_number_cannot_be_guessed_back() -> None:
     assert marker("phone", phone) == marker("phone", phone)  # stable under one key: still a correlation aid
 
 
+def test_a_remembered_text_is_redacted_again_under_a_new_key() -> None:
+    """Short texts' results are remembered (a log line's fields repeat); a new key still gives the new key's marker,
+    never the one remembered from the old key."""
+    text = "call me on 4155550132"
+    try:
+        configure_redaction_key(b"key-one")
+        one = sanitize_text(text)
+        assert sanitize_text(text) == one  # remembered
+        configure_redaction_key(b"key-two")
+        two = sanitize_text(text)
+    finally:
+        configure_redaction_key(None)
+    assert "4155550132" not in one and "4155550132" not in two
+    assert one != two and two == text.replace("4155550132", marker_under(b"key-two", "phone", "4155550132"))
+
+
+def marker_under(key: bytes, kind: str, value: str) -> str:
+    import hmac
+
+    return f"[REDACTED:{kind}:hmac={hmac.new(key, value.encode(), hashlib.sha256).hexdigest()[:12]}]"
+
+
 def test_the_key_comes_from_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
     """REDRIVE_REDACTION_KEY sets the key; markers follow it."""
     import hmac

@@ -64,9 +64,10 @@ def test_every_due_entity_is_worked_once_in_batches(engine) -> None:
 
 
 def test_a_drain_at_eight_in_flight_keeps_its_connections_instead_of_opening_one_per_entity(engine) -> None:
-    """80 entities, 8 at once, each holding a pooled connection until all 8 hold one (a barrier): every entity's
-    connection is one the pool kept, so the run's server backends are at most the pool's cap. With 5 kept and
-    the rest as overflow, each round closed 3 and opened 3 new ones, about 35 backends in all (issue 26)."""
+    """80 entities, 8 at once, each as an evidence row: a connection held for its row lock until all 8 hold one (a
+    barrier), and a second one beside it for a commit. Every connection is one the pool kept, so the run's server
+    backends are at most the pool's cap. With 8 kept and the rest as overflow, the commits' connections were closed
+    at every return and opened again: 40 to 50 backends (issue 26)."""
     clock = FrozenClock(START)
     enqueue(engine, 80, clock)
     together = threading.Barrier(8, timeout=30)
@@ -74,16 +75,18 @@ def test_a_drain_at_eight_in_flight_keeps_its_connections_instead_of_opening_one
     lock = threading.Lock()
 
     def handle(attempt: Attempt) -> None:
-        with engine.connect() as conn:
-            pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        with engine.connect() as held:
+            pids = [held.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()]
             together.wait()  # all 8 in flight hold a connection at once
+            with engine.begin() as beside:
+                pids.append(beside.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
         with lock:
-            backends.add(pid)
+            backends.update(pids)
         attempt.stage("fetch", lambda: {"ok": True})
 
     report = drain(engine, clock, concurrency=8).run(handle)
     assert report.done == 80
-    assert 8 <= len(backends) <= POOL_CONNECTIONS
+    assert 9 <= len(backends) <= POOL_CONNECTIONS
 
 
 def test_enqueue_is_idempotent_and_a_rerun_reopens_only_finished_work(engine) -> None:

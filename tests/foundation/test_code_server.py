@@ -37,3 +37,29 @@ def test_an_installed_code_server_makes_its_run_processes_with_the_preloading_fo
     assert api._mp_ctx.get_start_method() == "forkserver"
     assert multiprocessing.forkserver._forkserver._preload_modules == ["orchestration.preload"]
     assert started == ["once"]  # the forkserver starts with the server, not at its first run
+
+
+def test_a_forkserver_that_cannot_build_the_definitions_says_so_in_one_line_and_runs_build_their_own(
+        monkeypatch, caplog) -> None:
+    """Each run then pays the build itself (seconds of CPU): the code server's log says it, with the error's class
+    only (its message may carry configuration), and `defs()` still builds for the run."""
+    from orchestration import definitions
+
+    calls: list[str] = []
+
+    def broken(*_: object) -> None:
+        calls.append("build")
+        raise ValueError("DATABASE_URL=postgresql://app:hunter2@db/redrive is unreachable")
+
+    monkeypatch.setattr(definitions, "build_definitions", broken)
+    monkeypatch.setattr(definitions, "_prebuilt", None)
+    with caplog.at_level(logging.WARNING, logger="orchestration.definitions"):
+        definitions.prebuild()
+    assert definitions._prebuilt is None
+    said = [r.getMessage() for r in caplog.records if r.name == "orchestration.definitions"]
+    assert said == ["the code server's forkserver could not build the Definitions (ValueError): each run builds "
+                    "them itself"]
+    assert "hunter2" not in caplog.text
+    with pytest.raises(ValueError):
+        definitions.defs()  # the run meets the failure itself and reports it as its own
+    assert calls == ["build", "build"]

@@ -69,11 +69,15 @@ def test_helm_values_run_the_code_server_command_and_the_instance_settings() -> 
 
 def test_instance_is_production_shaped_and_never_reruns_op_failures() -> None:
     """PostgreSQL storage, queued runs limited per pipeline tag, run retries only for infrastructure failures."""
-    assert INSTANCE["storage"]["postgres"]["postgres_url"] == {"env": "DAGSTER_PG_URL"}
-    coordinator = INSTANCE["run_coordinator"]
     import importlib
 
     from dagster._core.run_coordinator import QueuedRunCoordinator
+    from dagster_postgres import DagsterPostgresStorage
+
+    storage = INSTANCE["storage"]["custom"]
+    assert issubclass(getattr(importlib.import_module(storage["module"]), storage["class"]), DagsterPostgresStorage)
+    assert storage["config"]["postgres_url"] == {"env": "DAGSTER_PG_URL"}
+    coordinator = INSTANCE["run_coordinator"]
 
     cls = getattr(importlib.import_module(coordinator["module"]), coordinator["class"])
     assert issubclass(cls, QueuedRunCoordinator)  # Dagster's queue (ours adds the pipeline tag to asset runs)

@@ -76,3 +76,79 @@ def test_the_migration_step_creates_the_tables_the_production_instance_no_longer
     finally:
         engine_for(url).dispose()
         drop_database(admin_url, name)
+
+
+def test_a_runs_events_are_written_on_the_process_pooled_connections_and_survive_a_dropped_one(
+        admin_url: str, settings: Settings, sandbox, tmp_path, monkeypatch) -> None:
+    """The production instance's storage (dagster.yaml.example) writes a run's events on one pooled engine a
+    process: a run of 13 events opens a handful of server sessions, not one an event as dagster-postgres's own
+    storage does (a `NullPool`: 2,806 sessions for 10 evidence file-job runs, a third of the machine's CPU). A
+    connection the server dropped meanwhile is replaced before use: the next run writes all of its events."""
+    import shutil
+
+    from dagster import DagsterInstance
+    from dagster._core.instance.ref import InstanceRef
+
+    from orchestration.storage import PooledPostgresStorage, prepare_dagster_storage
+    from redrive.settings import PROJECT_ROOT
+
+    name = "redrive_dagster_pool_test"
+    drop_database(admin_url, name)
+    create_database(admin_url, name)
+    url = dagster_storage_url(with_database(admin_url, name))
+    monkeypatch.setenv("DAGSTER_PG_URL", url)
+    shutil.copyfile(PROJECT_ROOT / "dagster.yaml.example", tmp_path / "dagster.yaml")
+    prepare_dagster_storage(url)
+    admin = engine_for(admin_url)
+
+    def sessions() -> int:
+        with admin.connect() as conn:
+            return conn.execute(sa.text("SELECT sessions FROM pg_stat_database WHERE datname = :d"), {"d": name}).scalar()
+
+    job = build_definitions(settings).resolve_job_def("stack_healthcheck_job")
+    try:
+        with DagsterInstance.from_ref(InstanceRef.from_dir(str(tmp_path))) as instance:
+            assert isinstance(instance.get_ref().storage, PooledPostgresStorage)
+            before = sessions()
+            first = job.execute_in_process(instance=instance)
+            assert first.success
+            written = len(instance.all_logs(first.run_id))
+            opened = sessions() - before
+            assert written >= 10 and opened <= 5, (written, opened)
+            with admin.connect() as conn:  # the server drops every connection the process pooled
+                dropped = conn.execute(sa.text("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                                               "WHERE datname = :d"), {"d": name}).scalar()
+            assert dropped >= 1
+            second = job.execute_in_process(instance=instance)
+            assert second.success and len(instance.all_logs(second.run_id)) == written
+    finally:
+        drop_database(admin_url, name)
+
+
+def test_the_pooled_engine_is_one_a_process_and_a_forked_process_opens_its_own(admin_url: str) -> None:
+    """Every instance a process builds shares one engine (the code server builds one a sensor tick); a fork (a run
+    process forked from the code server's forkserver) never writes on a connection its parent holds."""
+    import multiprocessing as mp
+
+    from orchestration import storage
+
+    url = dagster_storage_url(admin_url)
+    engine = storage.shared_engine(url)
+    assert storage.shared_engine(url) is engine
+    with engine.connect() as conn:
+        parent_pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+    ctx = mp.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        inherited = len(storage._engines)
+        with storage.shared_engine(url).connect() as conn:
+            writer.send((inherited, conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()))
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    proc.join(timeout=60)
+    inherited, child_pid = reader.recv()
+    assert inherited == 0 and child_pid != parent_pid
+    with engine.connect() as conn:  # the parent's pooled connection still works after the child exited
+        assert conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one() == parent_pid
