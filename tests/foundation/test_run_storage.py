@@ -48,20 +48,13 @@ def test_the_migration_step_creates_the_tables_the_production_instance_no_longer
     and checking them cost three connections a tick): on a fresh database its instance cannot read a run until
     the migration step (`prepare_dagster_storage`, run by `redrive db upgrade` and `make serve`) created them,
     and a second migration step changes nothing."""
-    import shutil
-
     from dagster import DagsterInstance
     from dagster._core.instance.ref import InstanceRef
 
     from orchestration.storage import prepare_dagster_storage
-    from redrive.settings import PROJECT_ROOT
 
     name = "redrive_dagster_prepare_test"
-    drop_database(admin_url, name)
-    create_database(admin_url, name)
-    url = dagster_storage_url(with_database(admin_url, name))
-    monkeypatch.setenv("DAGSTER_PG_URL", url)
-    shutil.copyfile(PROJECT_ROOT / "dagster.yaml.example", tmp_path / "dagster.yaml")
+    url = production_instance_folder(admin_url, name, tmp_path, monkeypatch)
     try:
         with DagsterInstance.from_ref(InstanceRef.from_dir(str(tmp_path))) as instance:
             with pytest.raises(sa.exc.ProgrammingError):
@@ -84,20 +77,13 @@ def test_a_runs_events_are_written_on_the_process_pooled_connections_and_survive
     process: a run of 13 events opens a handful of server sessions, not one an event as dagster-postgres's own
     storage does (a `NullPool`: 2,806 sessions for 10 evidence file-job runs, a third of the machine's CPU). A
     connection the server dropped meanwhile is replaced before use: the next run writes all of its events."""
-    import shutil
-
     from dagster import DagsterInstance
     from dagster._core.instance.ref import InstanceRef
 
     from orchestration.storage import PooledPostgresStorage, prepare_dagster_storage
-    from redrive.settings import PROJECT_ROOT
 
     name = "redrive_dagster_pool_test"
-    drop_database(admin_url, name)
-    create_database(admin_url, name)
-    url = dagster_storage_url(with_database(admin_url, name))
-    monkeypatch.setenv("DAGSTER_PG_URL", url)
-    shutil.copyfile(PROJECT_ROOT / "dagster.yaml.example", tmp_path / "dagster.yaml")
+    url = production_instance_folder(admin_url, name, tmp_path, monkeypatch)
     prepare_dagster_storage(url)
     admin = engine_for(admin_url)
 
@@ -152,3 +138,18 @@ def test_the_pooled_engine_is_one_a_process_and_a_forked_process_opens_its_own(a
     assert inherited == 0 and child_pid != parent_pid
     with engine.connect() as conn:  # the parent's pooled connection still works after the child exited
         assert conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one() == parent_pid
+
+
+def production_instance_folder(admin_url: str, name: str, folder, monkeypatch) -> str:
+    """A fresh database `name` for Dagster's storage and `folder` as a DAGSTER_HOME with dagster.yaml.example;
+    the storage URL (DAGSTER_PG_URL is set to it)."""
+    import shutil
+
+    from redrive.settings import PROJECT_ROOT
+
+    drop_database(admin_url, name)
+    create_database(admin_url, name)
+    url = dagster_storage_url(with_database(admin_url, name))
+    monkeypatch.setenv("DAGSTER_PG_URL", url)
+    shutil.copyfile(PROJECT_ROOT / "dagster.yaml.example", folder / "dagster.yaml")
+    return url
