@@ -6,8 +6,11 @@ local stack starts) is decided at the edge, in `resources.database`.
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import TYPE_CHECKING
+import functools
+import os
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ParamSpec
 
 import sqlalchemy as sa
 
@@ -56,7 +59,38 @@ def engine_for(url: str) -> sa.Engine:
 POOL_CONNECTIONS = 15  # a process's cap (a drain run: its I/O threads, a plain handler's threads, the heartbeat)
 
 
-@lru_cache(maxsize=64)
+P = ParamSpec("P")
+
+
+def per_process(maxsize: int) -> Callable[[Callable[P, sa.Engine]], Callable[P, sa.Engine]]:
+    """`functools.lru_cache` for an engine factory, forgotten in a forked child (Dagster's forkserver forks run
+    workers from a process that has loaded the code): the child opens its own connections and the parent's stay the
+    parent's (SQLAlchemy's `dispose(close=False)` for a fork), so a child never writes on, or closes when it drops
+    the engine, a socket its parent uses. `orchestration.storage` does the same for Dagster's own engine."""
+
+    def wrap(make: Callable[P, sa.Engine]) -> Callable[P, sa.Engine]:
+        cached = functools.lru_cache(maxsize=maxsize)(make)
+        made: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
+
+        @functools.wraps(make)
+        def engine(*args: P.args, **kwargs: P.kwargs) -> sa.Engine:
+            made.add(found := cached(*args, **kwargs))
+            return found
+
+        def forget_in_child() -> None:
+            for inherited in list(made):
+                inherited.dispose(close=False)
+            made.clear()
+            cached.cache_clear()
+
+        os.register_at_fork(after_in_child=forget_in_child)
+        engine.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+        return engine
+
+    return wrap
+
+
+@per_process(maxsize=64)
 def _engine(url: str) -> sa.Engine:
     # Every connection a process opened stays open, up to the cap. A pool that keeps fewer than a drain uses at once
     # closes one at nearly every return and opens one at the next checkout, a new server backend each time (its

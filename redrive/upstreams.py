@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import functools
 import logging
 import random
 import threading
@@ -49,6 +48,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert
 
 from redrive.clock import Clock, SystemClock
+from redrive.db import per_process
 from redrive.failures import RedriveError, parse_retry_after
 from redrive.schema import NOW, TZ, metadata
 from redrive.upstream_policy import UPSTREAMS, RetryDeferred, UpstreamLimits, retry_allowance
@@ -603,7 +603,7 @@ def _answered_well(result: object) -> bool:
     return not (isinstance(result, httpx.Response) and result.status_code >= 400)
 
 
-@functools.lru_cache(maxsize=8)
+@per_process(maxsize=8)
 def limiter_engine(url: sa.URL) -> sa.Engine:
     """The limiter's own pool on the database: autocommit (the acquire function is its own transaction, so a
     call is one round trip, not BEGIN, call, COMMIT), no pre-ping (another round trip per checkout: a
