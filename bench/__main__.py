@@ -34,9 +34,9 @@ def main(argv: list[str]) -> int:
     # (where SIGINT is ignored and SIGTERM would end this process and leave its children behind)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    # the sandbox stands for providers on machines of their own: ahead of our run processes for this 2-core box's
-    # cores, so its meters count what we sent, not what its stalled loop bunched (devstack.sandbox.prioritized)
-    os.environ.setdefault("SANDBOX_NICE", "-10")
+    # the sandbox stands for providers on machines of their own: in real time, ahead of our run processes for this
+    # 2-core box's cores, so its meters count what we sent, not what its stalled loop bunched (devstack.sandbox.prioritized)
+    os.environ.setdefault("SANDBOX_PRIORITY", "realtime")
     # the chaos run restarts its PostgreSQL: a server of its own, not the one the demo and benchmarks share
     with local_stack("chaos" if names == ["chaos"] else "bench"):
         for name in names:
